@@ -1,0 +1,165 @@
+"""Gated DeltaNet, the linear-attention mixer of 3 layers in 4 (SPEC.md section 7).
+
+Per value head h the state S_h [dk, dv] evolves as
+    S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+Prefill uses the chunked (WY / UT-transform) form, which turns 64 sequential updates into a few matmuls;
+decode uses the recurrence directly. Both run in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..config import ModelConfig
+from .base import Array, linear, pytree_dataclass, silu
+from .norms import l2norm, rms_norm_gated
+
+CHUNK = 64
+_HI = lax.Precision.HIGHEST
+
+
+@pytree_dataclass
+class GatedDeltaNet:
+    in_proj_qkv: Array  # [2*key_dim + value_dim, H]: q | k | v, contiguous
+    in_proj_z: Array  # [value_dim, H]
+    in_proj_b: Array  # [Hv, H]
+    in_proj_a: Array  # [Hv, H]
+    conv1d: Array  # [conv_dim, K] depthwise causal kernel (checkpoint [conv_dim, 1, K])
+    dt_bias: Array  # [Hv]
+    A_log: Array  # [Hv]
+    norm: Array  # [dv]
+    out_proj: Array  # [H, value_dim]
+
+
+@pytree_dataclass
+class GDNState:
+    conv: Array  # [K-1, conv_dim]: the last K-1 raw (pre-conv) qkv rows
+    recurrent: Array  # [Hv, dk, dv] float32
+
+
+def init_state(cfg: ModelConfig, dtype) -> GDNState:
+    return GDNState(
+        conv=jnp.zeros((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dtype),
+        recurrent=jnp.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                            jnp.float32),
+    )
+
+
+def causal_conv(x: Array, history: Array, w: Array) -> tuple[Array, Array, Array]:
+    """Depthwise causal conv: out[t] = sum_j w[:, j] * x[t - K + 1 + j], with `history` as the K-1 rows before x.
+
+    Returns (out, hist) where hist = [history; x] (float32 accumulation, x's dtype out).
+    """
+    k = w.shape[-1]
+    hist = jnp.concatenate([history.astype(x.dtype), x], axis=0)
+    t = x.shape[0]
+    acc = sum(hist[j : j + t].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(k))
+    return acc.astype(x.dtype), hist
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state):
+    """Chunked form. q, k [T, Hv, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv]. All float32.
+
+    Within a chunk with cumulative log-decay gam, Gam_ij = exp(gam_i - gam_j) (i >= j). With
+    A = strictly_lower((beta K) K^T * Gam):  U = (I+A)^-1 (beta V),  Wd = (I+A)^-1 (beta K * exp(gam)),
+    and per chunk  v_new = U - Wd S,  O = (Q exp(gam)) S + ((Q K^T) * Gam) v_new,
+    S <- exp(gam_C) S + (K exp(gam_C - gam))^T v_new.
+    """
+    t, hv, dk = k.shape
+    pad = (-t) % CHUNK
+    if pad:  # zero g, beta, k, v: padded steps leave the state untouched
+        q, k, v, g, beta = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta))
+    n = (t + pad) // CHUNK
+
+    def chunks(a):  # [T, Hv, ...] -> [Hv, N, C, ...]
+        a = a.reshape(n, CHUNK, hv, *a.shape[2:])
+        return jnp.moveaxis(a, 2, 0)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    gam = jnp.cumsum(g, axis=-1)  # [Hv, N, C]
+    lower = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # Gam, zero above the diagonal
+
+    kb = k * beta[..., None]
+    vb = v * beta[..., None]
+    a_mat = jnp.einsum("hncd,hned->hnce", kb, k, precision=_HI) * decay
+    system = jnp.eye(CHUNK, dtype=jnp.float32) + jnp.tril(a_mat, -1)
+    u = lax.linalg.triangular_solve(system, vb, left_side=True, lower=True, unit_diagonal=True)
+    wd = lax.linalg.triangular_solve(system, kb * jnp.exp(gam)[..., None], left_side=True, lower=True,
+                                     unit_diagonal=True)
+    qd = q * jnp.exp(gam)[..., None]
+    kd = k * jnp.exp(gam[..., -1:] - gam)[..., None]
+    intra = jnp.einsum("hncd,hned->hnce", q, k, precision=_HI) * decay
+    chunk_decay = jnp.exp(gam[..., -1])  # [Hv, N]
+
+    def step(s, xs):
+        u_i, wd_i, qd_i, kd_i, intra_i, dec_i = xs
+        v_new = u_i - jnp.einsum("hcd,hde->hce", wd_i, s, precision=_HI)
+        o = jnp.einsum("hcd,hde->hce", qd_i, s, precision=_HI) + jnp.einsum("hce,hed->hcd", intra_i, v_new,
+                                                                              precision=_HI)
+        s = s * dec_i[:, None, None] + jnp.einsum("hcd,hce->hde", kd_i, v_new, precision=_HI)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (u, wd, qd, kd, intra, chunk_decay))  # scan over N
+    state, o = lax.scan(step, state, xs)  # o [N, Hv, C, dv]
+    o = jnp.moveaxis(o, 1, 2).reshape(n * CHUNK, hv, -1)
+    return o[:t], state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token form (decode). Same shapes as chunk_gated_delta_rule."""
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[:, None, None]
+        kv = jnp.einsum("hkv,hk->hv", s, k_t, precision=_HI)
+        s = s + k_t[:, :, None] * ((v_t - kv) * b_t[:, None])[:, None, :]
+        return s, jnp.einsum("hkv,hk->hv", s, q_t, precision=_HI)
+
+    state, o = lax.scan(step, state, (q, k, v, g, beta))
+    return o, state
+
+
+def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState,
+                   n_valid: Array | int | None = None) -> tuple[Array, GDNState]:
+    """x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the state as it was."""
+    t = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd = cfg.linear_key_dim
+
+    qkv_raw = linear(x, p.in_proj_qkv)
+    z = linear(x, p.in_proj_z).reshape(t, hv, dv)
+    b = linear(x, p.in_proj_b)
+    a = linear(x, p.in_proj_a)
+
+    conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
+    qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+    q = qkv[:, :kd].reshape(t, hk, dk)
+    k = qkv[:, kd : 2 * kd].reshape(t, hk, dk)
+    v = qkv[:, 2 * kd :].reshape(t, hv, dv).astype(jnp.float32)
+
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p.dt_bias)
+    if n_valid is not None:
+        live = jnp.arange(t) < n_valid
+        beta = jnp.where(live[:, None], beta, 0.0)
+        g = jnp.where(live[:, None], g, 0.0)
+
+    # each key head serves hv/hk consecutive value heads
+    q = l2norm(jnp.repeat(q, hv // hk, axis=1)) * (dk ** -0.5)
+    k = l2norm(jnp.repeat(k, hv // hk, axis=1))
+
+    rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+    o, recurrent = rule(q, k, v, g, beta, state.recurrent)
+
+    o = rms_norm_gated(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
+    y = linear(o.reshape(t, hv * dv), p.out_proj)
+
+    width = cfg.linear_conv_kernel_dim - 1
+    start = t if n_valid is None else n_valid
+    conv_state = lax.dynamic_slice_in_dim(hist, start, width, axis=0)
+    return y, GDNState(conv=conv_state, recurrent=recurrent)

@@ -1,0 +1,129 @@
+"""Sparse MoE with a shared expert (SPEC.md section 10).
+
+Routed experts are stored either dense ([E, out, in], BF16/F32 checkpoints) or as NVFP4 (`NVFP4` below,
+dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Two ways to run them:
+  * gather: per (token, k) take that expert's weights. Cheap when tokens*top_k is small (decode).
+  * ragged: sort the (token, k) pairs by expert and run one grouped matmul per projection (prefill).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..config import ModelConfig
+from .base import Array, linear, pytree_dataclass, silu
+
+# E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_GROUP = 16
+
+
+@pytree_dataclass
+class NVFP4:
+    """A stack of NVFP4 matrices W[e] [N, K] in NVIDIA ModelOpt's layout."""
+
+    packed: Array  # [E, N, K/2] uint8, two E2M1 codes per byte, low nibble first
+    scale: Array  # [E, N, K/16] float8_e4m3fn, one per 16 inputs
+    scale2: Array  # [E] float32 per-tensor scale (weight_scale_2)
+
+
+def dequantize(w: NVFP4, dtype) -> Array:
+    """W[e, n, k] = E2M1(code) * scale[e, n, k // 16] * scale2[e], computed in float32."""
+    lo = w.packed & 0xF
+    hi = w.packed >> 4
+    codes = jnp.stack([lo, hi], axis=-1).reshape(*w.packed.shape[:-1], -1)
+    mag = jnp.asarray(E2M1_VALUES, jnp.float32)[codes & 7]
+    vals = jnp.where(codes & 8, -mag, mag)
+    scale = jnp.repeat(w.scale.astype(jnp.float32), NVFP4_GROUP, axis=-1)
+    return (vals * scale * w.scale2.reshape(-1, *([1] * (vals.ndim - 1)))).astype(dtype)
+
+
+def take_experts(w: Array | NVFP4, idx: Array) -> Array | NVFP4:
+    """The experts idx (any shape) of a stacked weight: leading axis E becomes idx's shape."""
+    return jax.tree.map(lambda a: a[idx], w)
+
+
+def as_dense(w: Array | NVFP4, dtype) -> Array:
+    return dequantize(w, dtype) if isinstance(w, NVFP4) else w.astype(dtype)
+
+
+@pytree_dataclass
+class Experts:
+    gate: Array | NVFP4  # [E, I, H]
+    up: Array | NVFP4  # [E, I, H]
+    down: Array | NVFP4  # [E, H, I]
+
+
+@pytree_dataclass
+class MoE:
+    router: Array  # gate.weight [E, H]
+    experts: Experts
+    shared_gate_proj: Array  # [Is, H]
+    shared_up_proj: Array  # [Is, H]
+    shared_down_proj: Array  # [H, Is]
+    shared_expert_gate: Array  # [1, H]
+
+
+def route(p: MoE, cfg: ModelConfig, x: Array) -> tuple[Array, Array]:
+    """Top-k expert ids [N, k] (int32) and their weights [N, k] (x's dtype): softmax in float32, top-k,
+    renormalised when norm_topk_prob."""
+    probs = jax.nn.softmax(linear(x, p.router).astype(jnp.float32), axis=-1)
+    w, idx = lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(x.dtype), idx.astype(jnp.int32)
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def experts_gather(e: Experts, x: Array, idx: Array, w: Array) -> Array:
+    """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) by gathering each (token, k)'s weights. Output float32 [N, H]."""
+    dt, prec = x.dtype, _precision(x.dtype)
+    gate = as_dense(take_experts(e.gate, idx), dt)  # [N, k, I, H]
+    up = as_dense(take_experts(e.up, idx), dt)
+    down = as_dense(take_experts(e.down, idx), dt)  # [N, k, H, I]
+    f32 = jnp.float32
+    g = jnp.einsum("nh,nkih->nki", x, gate, precision=prec, preferred_element_type=f32)
+    u = jnp.einsum("nh,nkih->nki", x, up, precision=prec, preferred_element_type=f32)
+    a = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
+    y = jnp.einsum("nki,nkhi->nkh", a, down, precision=prec, preferred_element_type=f32).astype(dt)
+    return jnp.einsum("nkh,nk->nh", y.astype(f32), w.astype(f32))
+
+
+def experts_ragged(e: Experts, x: Array, idx: Array, w: Array) -> Array:
+    """The same sum, with (token, k) pairs sorted by expert and one grouped matmul per projection."""
+    dt, prec = x.dtype, _precision(x.dtype)
+    n, k = idx.shape
+    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[token]
+    f32 = jnp.float32
+
+    def grouped(lhs, weight):  # weight [E, out, in]; lhs rows grouped by expert
+        return lax.ragged_dot(lhs, jnp.swapaxes(as_dense(weight, dt), 1, 2), sizes, precision=prec,
+                              preferred_element_type=f32)
+
+    g = grouped(xs, e.gate)
+    u = grouped(xs, e.up)
+    a = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
+    y = grouped(a, e.down).astype(dt).astype(f32) * w.reshape(-1)[order].astype(f32)[:, None]
+    return jnp.zeros((n, x.shape[-1]), f32).at[token].add(y)
+
+
+def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto") -> Array:
+    """MoE block over tokens x [N, H] -> [N, H] in x's dtype."""
+    w, idx = route(p, cfg, x)
+    if impl == "auto":
+        impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "ragged"
+    routed = (experts_gather if impl == "gather" else experts_ragged)(p.experts, x, idx, w)
+    shared = linear(silu(linear(x, p.shared_gate_proj).astype(jnp.float32)).astype(x.dtype)
+                    * linear(x, p.shared_up_proj), p.shared_down_proj)
+    shared = jax.nn.sigmoid(linear(x, p.shared_expert_gate).astype(jnp.float32)) * shared.astype(jnp.float32)
+    return (routed + shared).astype(x.dtype)

@@ -1,0 +1,49 @@
+"""The MTP head (SPEC.md section 11): from the main model's multi-stream state at position t and the token at
+t+1, predict the token at t+2. vLLM/SGLang semantics (transformers has no MTP).
+
+    e   = fc_embedding(norm_H(embed(tok[t+1])))
+    x0  = fc_hidden(norm_W(hm)[stream s]) + e           for every stream s   (norm_W: one RMSNorm over all W)
+    hm' = one full-attention decoder layer (x0)
+    logits = lm_head(mtp_mixer(hm'));  hm' feeds the next draft step
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from . import hyper_connection as hc
+from .base import Array, linear, pytree_dataclass
+from .norms import rms_norm
+from .transformer import DecoderLayer, Params, decoder_layer, lm_logits
+
+
+@pytree_dataclass
+class MTP:
+    pre_fc_norm_embedding: Array  # [H]
+    pre_fc_norm_hidden: Array  # [W]
+    fc_embedding: Array  # [H, H]
+    fc_hidden: Array  # [H, H], shared by the streams
+    layer: DecoderLayer  # mtp.layers.0: full attention + QSA, MoE, hyper-connections; no PLE
+    mixer: hc.HyperConnection  # mtp.hyper_connection_mixer (its inject weight is unused)
+
+
+def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array,
+                moe_impl: str = "auto") -> tuple[Array, Array]:
+    """hidden [..., T, W]: the main model's pre-mixer state at positions 0..T-1; next_tokens [..., T]: the
+    tokens at positions 1..T. Returns (draft logits [..., T, V] for the tokens at positions 2..T+1, the MTP
+    layer's output state [..., T, W])."""
+    m: MTP = params.mtp
+    dt = params.dtype
+    s, hid, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+    single = hidden.ndim == 2
+    if single:
+        hidden, next_tokens = hidden[None], next_tokens[None]
+    b, t, _ = hidden.shape
+    e = linear(rms_norm(params.embed[next_tokens].astype(dt), m.pre_fc_norm_embedding, eps), m.fc_embedding)
+    hn = rms_norm(hidden, m.pre_fc_norm_hidden, eps).astype(dt).reshape(b, t, s, hid)
+    x0 = linear(hn, m.fc_hidden).astype(jnp.float32) + e.astype(jnp.float32)[:, :, None, :]
+    h = decoder_layer(m.layer, cfg, x0.reshape(b, t, s * hid), jnp.arange(t), moe_impl=moe_impl)
+    x, _ = hc.mix(m.mixer, h, s, eps)
+    logits = lm_logits(params, x)
+    return (logits[0], h[0]) if single else (logits, h)

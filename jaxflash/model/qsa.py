@@ -1,0 +1,69 @@
+"""QSA block indexer (SPEC.md section 9): which earlier tokens each query of a full-attention layer may see.
+
+Keys are mean-pooled over blocks of `r` (=indexer_compress_ratio) consecutive tokens, aligned to the sequence's
+first token. Each query scores every complete block it can see, keeps the top `block_topk` blocks, and always
+keeps the incomplete tail block. With at most `block_topk` complete blocks visible, QSA equals dense attention.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..config import ModelConfig
+from .base import Array, linear, pytree_dataclass
+from .norms import rms_norm
+from .rope import apply_rope, rope_cos_sin
+
+
+@pytree_dataclass
+class Indexer:
+    index_qk_proj: Array  # [(n_heads + 1) * dI, H]: the query heads, then one raw key
+    q_norm: Array  # q_layernorm.weight [dI]
+    k_norm: Array  # k_layernorm.weight [dI]
+
+
+def queries_and_raw_keys(p: Indexer, cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """Index queries [T, n_heads, dI] (normed, RoPE'd) and the raw keys [T, dI] that the cache keeps."""
+    n, d = cfg.indexer_n_heads, cfg.indexer_head_dim
+    qk = linear(x, p.index_qk_proj)
+    q = qk[:, : n * d].reshape(-1, n, d)
+    q = apply_rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
+    return q, qk[:, n * d :]
+
+
+def block_keys(p: Indexer, cfg: ModelConfig, raw_keys: Array, n_blocks: int) -> Array:
+    """Keys of the first `n_blocks` complete blocks [n_blocks, dI]: mean (float32), k-norm, RoPE at the
+    position of each block's first token."""
+    r = cfg.indexer_compress_ratio
+    kb = raw_keys[: n_blocks * r].astype(jnp.float32).reshape(n_blocks, r, -1).mean(axis=1).astype(raw_keys.dtype)
+    kb = rms_norm(kb, p.k_norm, cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(jnp.arange(n_blocks) * r, cfg.rotary_dim, cfg.rope_theta)
+    return apply_rope(kb[:, None, :], cos, sin)[:, 0, :]
+
+
+def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_keys: int) -> Array:
+    """Bool [T, n_keys]: key position s is selected for the query at position q_pos[t].
+
+    A query at position p sees nb = (p + 1) // r complete blocks. Scores are sum_h relu(q_h . k_b) / sqrt(dI);
+    the top min(block_topk, nb) blocks are kept, plus the tail positions r*nb .. p. Causality is not applied here.
+    """
+    r = cfg.indexer_compress_ratio
+    n_blocks = kb.shape[0]
+    visible = (q_pos + 1) // r  # complete blocks visible to each query
+    s = jnp.arange(n_keys)
+    tail = s[None, :] >= (visible * r)[:, None]
+    if n_blocks == 0:
+        return tail
+    scores = jnp.einsum("thd,bd->thb", q_index.astype(jnp.float32), kb.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST)
+    scores = jnp.sum(jax.nn.relu(scores), axis=1) / jnp.sqrt(jnp.float32(cfg.indexer_head_dim))
+    valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
+    k = min(cfg.block_topk, n_blocks)
+    _, top = lax.top_k(jnp.where(valid, scores, -jnp.inf), k)
+    rows = jnp.arange(q_pos.shape[0])[:, None]
+    chosen = jnp.zeros((q_pos.shape[0], n_blocks), bool).at[rows, top].set(True) & valid
+    block_of_key = jnp.minimum(s // r, n_blocks - 1)
+    in_chosen = jnp.where(s[None, :] < n_blocks * r, chosen[:, block_of_key], False)
+    return in_chosen | tail
