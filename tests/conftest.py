@@ -1,6 +1,9 @@
 """Tests run on the CPU: force JAX's CPU backend before anything imports jax."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+sys.path.insert(0, os.path.dirname(__file__))  # the shared reference helpers (hf_reference.py)
+
+import jaxflash  # noqa: E402,F401  (sets the XLA:CPU flags jaxflash needs before the backend starts)

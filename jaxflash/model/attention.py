@@ -9,7 +9,7 @@ from jax import lax
 
 from ..config import ModelConfig
 from . import qsa
-from .base import Array, linear, pytree_dataclass
+from .base import Array, linear, pytree_dataclass, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -29,11 +29,11 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """softmax(q k^T / sqrt(d) | mask) v in float32. q [T, nh, d]; k, v [S, nkv, d]; mask [T, S] bool."""
     t, nh, d = q.shape
     nkv = k.shape[1]
-    qg = q.astype(jnp.float32).reshape(t, nkv, nh // nkv, d)
-    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * d ** -0.5
+    qg = up(q).reshape(t, nkv, nh // nkv, d)
+    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(qg.dtype), precision=lax.Precision.HIGHEST) * d ** -0.5
     s = jnp.where(mask, s, -jnp.inf)
     w = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("kgts,skd->tkgd", w, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    o = jnp.einsum("kgts,skd->tkgd", w, v.astype(w.dtype), precision=lax.Precision.HIGHEST)
     return o.reshape(t, nh, d).astype(q.dtype)
 
 
@@ -56,5 +56,5 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, positions: Array) -> Arr
         mask &= qsa.selection_mask(cfg, q_index, kb, positions, t)
 
     o = attend(q, k, v, mask).reshape(t, nh * hd)
-    o = o * jax.nn.sigmoid(gate.reshape(t, nh * hd).astype(jnp.float32)).astype(o.dtype)
+    o = o * jax.nn.sigmoid(up(gate.reshape(t, nh * hd))).astype(o.dtype)
     return linear(o, p.o_proj)

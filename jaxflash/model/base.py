@@ -18,14 +18,26 @@ def pytree_dataclass(cls):
     return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
-def linear(x: Array, w: Array) -> Array:
-    """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype.
+def acc_dtype(dtype) -> jnp.dtype:
+    """The dtype for math that must not run in bf16: float32, or float64 when the model runs in float64."""
+    return jnp.promote_types(dtype, jnp.float32)
 
-    float32 runs at full precision (GPUs would otherwise use TF32); bf16 accumulates in float32.
-    """
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision,
-                   preferred_element_type=jnp.float32)
+
+def up(x: Array) -> Array:
+    """x in at least float32."""
+    return x.astype(acc_dtype(x.dtype))
+
+
+def precision_for(dtype):
+    """Full precision for float32/64 matmuls (GPUs would otherwise use TF32); the default for bf16."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def linear(x: Array, w: Array) -> Array:
+    """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype (bf16 accumulates in
+    float32)."""
+    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision_for(x.dtype),
+                   preferred_element_type=acc_dtype(x.dtype))
     return y.astype(x.dtype)
 
 

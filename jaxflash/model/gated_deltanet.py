@@ -3,7 +3,7 @@
 Per value head h the state S_h [dk, dv] evolves as
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 Prefill uses the chunked (WY / UT-transform) form, which turns 64 sequential updates into a few matmuls;
-decode uses the recurrence directly. Both run in float32.
+decode uses the recurrence directly. Both run in float32 (float64 for a float64 model).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass, silu
+from .base import Array, acc_dtype, linear, pytree_dataclass, silu, up
 from .norms import l2norm, rms_norm_gated
 
 CHUNK = 64
@@ -43,7 +43,7 @@ def init_state(cfg: ModelConfig, dtype) -> GDNState:
     return GDNState(
         conv=jnp.zeros((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dtype),
         recurrent=jnp.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                            jnp.float32),
+                            acc_dtype(dtype)),
     )
 
 
@@ -55,7 +55,7 @@ def causal_conv(x: Array, history: Array, w: Array) -> tuple[Array, Array, Array
     k = w.shape[-1]
     hist = jnp.concatenate([history.astype(x.dtype), x], axis=0)
     t = x.shape[0]
-    acc = sum(hist[j : j + t].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(k))
+    acc = sum(up(hist[j : j + t]) * w[:, j].astype(acc_dtype(x.dtype)) for j in range(k))
     return acc.astype(x.dtype), hist
 
 
@@ -86,7 +86,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     kb = k * beta[..., None]
     vb = v * beta[..., None]
     a_mat = jnp.einsum("hncd,hned->hnce", kb, k, precision=_HI) * decay
-    system = jnp.eye(CHUNK, dtype=jnp.float32) + jnp.tril(a_mat, -1)
+    system = jnp.eye(CHUNK, dtype=a_mat.dtype) + jnp.tril(a_mat, -1)
     u = lax.linalg.triangular_solve(system, vb, left_side=True, lower=True, unit_diagonal=True)
     wd = lax.linalg.triangular_solve(system, kb * jnp.exp(gam)[..., None], left_side=True, lower=True,
                                      unit_diagonal=True)
@@ -137,13 +137,13 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     a = linear(x, p.in_proj_a)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
-    qkv = silu(conv_out.astype(jnp.float32)).astype(x.dtype)
+    qkv = silu(up(conv_out)).astype(x.dtype)
     q = qkv[:, :kd].reshape(t, hk, dk)
     k = qkv[:, kd : 2 * kd].reshape(t, hk, dk)
-    v = qkv[:, 2 * kd :].reshape(t, hv, dv).astype(jnp.float32)
+    v = up(qkv[:, 2 * kd :].reshape(t, hv, dv))
 
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p.dt_bias)
+    beta = jax.nn.sigmoid(up(b))
+    g = -jnp.exp(up(p.A_log)) * jax.nn.softplus(up(a) + p.dt_bias)
     if n_valid is not None:
         live = jnp.arange(t) < n_valid
         beta = jnp.where(live[:, None], beta, 0.0)

@@ -3,7 +3,8 @@
 The residual `h` [T, W=S*H] holds S streams side by side. Before each block, every stream is RMS-normalised,
 elementwise sigmoid gates from a rank-R bottleneck weight the normalised streams, and their mean is the block
 input. After the block, stream s gets the block output scaled by its own injection weight 2*sigmoid(.).
-The residual itself is never mixed across streams. This math runs in float32 (the vLLM kernels do the same).
+The residual itself is never mixed across streams. This math, and the residual, stay in float32 (the vLLM
+kernels do the same).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .base import Array, pytree_dataclass, silu
+from .base import Array, pytree_dataclass, silu, up
 from .norms import rms_norm
 
 
@@ -25,13 +26,13 @@ class HyperConnection:
 
 
 def _f32_linear(x: Array, w: Array) -> Array:
-    return jnp.einsum("...k,nk->...n", x, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=lax.Precision.HIGHEST)
 
 
 def mix(p: HyperConnection, h: Array, streams: int, eps: float) -> tuple[Array, Array | None]:
     """Block input x [T, H] (float32) and injection weights [T, S] (None for the final mixer)."""
     hidden = h.shape[-1] // streams
-    xn = rms_norm(h.astype(jnp.float32), p.norm, eps, group=hidden)
+    xn = rms_norm(up(h), p.norm, eps, group=hidden)
     a = silu(_f32_linear(xn, p.down) / streams)
     gates = jax.nn.sigmoid(_f32_linear(a, p.up))
     x = jnp.mean((gates * xn).reshape(*h.shape[:-1], streams, hidden), axis=-2)
@@ -45,5 +46,5 @@ def combine(h: Array, inj: Array, y: Array) -> Array:
     """h + per-stream injection of the block output y [T, H]: stream s gets inj[:, s] * y."""
     streams = inj.shape[-1]
     hidden = y.shape[-1]
-    add = inj[..., :, None] * y.astype(jnp.float32)[..., None, :]
+    add = inj[..., :, None] * y.astype(inj.dtype)[..., None, :]
     return h + add.reshape(*h.shape[:-1], streams * hidden)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass, silu
+from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, up
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -69,24 +69,19 @@ class MoE:
 def route(p: MoE, cfg: ModelConfig, x: Array) -> tuple[Array, Array]:
     """Top-k expert ids [N, k] (int32) and their weights [N, k] (x's dtype): softmax in float32, top-k,
     renormalised when norm_topk_prob."""
-    probs = jax.nn.softmax(linear(x, p.router).astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(up(linear(x, p.router)), axis=-1)
     w, idx = lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     return w.astype(x.dtype), idx.astype(jnp.int32)
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-
 def experts_gather(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) by gathering each (token, k)'s weights. Output float32 [N, H]."""
-    dt, prec = x.dtype, _precision(x.dtype)
+    dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
     gate = as_dense(take_experts(e.gate, idx), dt)  # [N, k, I, H]
     up = as_dense(take_experts(e.up, idx), dt)
     down = as_dense(take_experts(e.down, idx), dt)  # [N, k, H, I]
-    f32 = jnp.float32
     g = jnp.einsum("nh,nkih->nki", x, gate, precision=prec, preferred_element_type=f32)
     u = jnp.einsum("nh,nkih->nki", x, up, precision=prec, preferred_element_type=f32)
     a = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
@@ -96,7 +91,7 @@ def experts_gather(e: Experts, x: Array, idx: Array, w: Array) -> Array:
 
 def experts_ragged(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     """The same sum, with (token, k) pairs sorted by expert and one grouped matmul per projection."""
-    dt, prec = x.dtype, _precision(x.dtype)
+    dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
     n, k = idx.shape
     num_experts = jax.tree.leaves(e.gate)[0].shape[0]
     flat = idx.reshape(-1)
@@ -104,7 +99,6 @@ def experts_ragged(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[token]
-    f32 = jnp.float32
 
     def grouped(lhs, weight):  # weight [E, out, in]; lhs rows grouped by expert
         return lax.ragged_dot(lhs, jnp.swapaxes(as_dense(weight, dt), 1, 2), sizes, precision=prec,
@@ -123,7 +117,7 @@ def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto") -> Array:
     if impl == "auto":
         impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "ragged"
     routed = (experts_gather if impl == "gather" else experts_ragged)(p.experts, x, idx, w)
-    shared = linear(silu(linear(x, p.shared_gate_proj).astype(jnp.float32)).astype(x.dtype)
+    shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
                     * linear(x, p.shared_up_proj), p.shared_down_proj)
-    shared = jax.nn.sigmoid(linear(x, p.shared_expert_gate).astype(jnp.float32)) * shared.astype(jnp.float32)
+    shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
     return (routed + shared).astype(x.dtype)

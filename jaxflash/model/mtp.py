@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from . import hyper_connection as hc
-from .base import Array, linear, pytree_dataclass
+from .base import Array, linear, pytree_dataclass, up
 from .norms import rms_norm
 from .transformer import DecoderLayer, Params, decoder_layer, lm_logits
 
@@ -42,7 +42,7 @@ def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Ar
     b, t, _ = hidden.shape
     e = linear(rms_norm(params.embed[next_tokens].astype(dt), m.pre_fc_norm_embedding, eps), m.fc_embedding)
     hn = rms_norm(hidden, m.pre_fc_norm_hidden, eps).astype(dt).reshape(b, t, s, hid)
-    x0 = linear(hn, m.fc_hidden).astype(jnp.float32) + e.astype(jnp.float32)[:, :, None, :]
+    x0 = up(linear(hn, m.fc_hidden)) + up(e)[:, :, None, :]
     h = decoder_layer(m.layer, cfg, x0.reshape(b, t, s * hid), jnp.arange(t), moe_impl=moe_impl)
     x, _ = hc.mix(m.mixer, h, s, eps)
     logits = lm_logits(params, x)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass, silu
+from .base import Array, linear, pytree_dataclass, silu, up
 from .norms import rms_norm
 
 
@@ -75,8 +75,8 @@ def ngram_ids_traced(cfg: ModelConfig, tokens: Array, context: Array) -> Array:
 
 
 def gather_rows(p: PLE, ids: Array) -> Array:
-    """Rows of a device-resident table for ids [T, 16] -> [T, 16, d] float32 (FP8 rows times the scale)."""
-    rows = p.table[ids].astype(jnp.float32)
+    """Rows of a device-resident table for ids [T, 16] -> [T, 16, d] in float32 (FP8 rows times the scale)."""
+    rows = up(p.table[ids])
     return rows * p.table_scale if p.table_scale is not None else rows
 
 
@@ -90,17 +90,17 @@ def ple(p: PLE, cfg: ModelConfig, h: Array, rows: Array, conv_state: Array,
     emb = rows.reshape(t, -1).astype(dt)  # head-major [T, 16*d]
 
     key = rms_norm(linear(emb, p.key_proj), p.norm_key, eps, group=hid).reshape(t, s, hid)
-    value = linear(emb, p.value_proj).astype(jnp.float32)  # one value shared by all streams
+    value = up(linear(emb, p.value_proj))  # one value shared by all streams
     query = rms_norm(h, p.norm_query, eps, group=hid).reshape(t, s, hid)
-    g = jnp.sum(key.astype(jnp.float32) * query, axis=-1) / jnp.sqrt(jnp.float32(hid))
+    g = jnp.sum(up(key) * query, axis=-1) / hid ** 0.5
     g = jnp.sign(g) * jnp.sqrt(jnp.maximum(jnp.abs(g), 1e-6))
     gated = (jax.nn.sigmoid(g)[..., None] * value[:, None, :]).reshape(t, s * hid)
     gated_normed = rms_norm(gated, p.norm_conv, eps, group=hid)
 
     # causal dilated depthwise conv: tap j reads the row (K-1-j)*dilation steps back
     dil, k = cfg.ple_conv_dilation, cfg.ple_conv_kernel_size
-    hist = jnp.concatenate([conv_state.astype(jnp.float32), gated_normed], axis=0)
-    w = p.conv1d.astype(jnp.float32)
+    hist = jnp.concatenate([conv_state.astype(gated_normed.dtype), gated_normed], axis=0)
+    w = p.conv1d.astype(hist.dtype)
     conv = sum(hist[j * dil : j * dil + t] * w[:, j] for j in range(k))
     out = gated + silu(conv)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass
+from .base import Array, linear, pytree_dataclass, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -37,7 +37,7 @@ def block_keys(p: Indexer, cfg: ModelConfig, raw_keys: Array, n_blocks: int) -> 
     """Keys of the first `n_blocks` complete blocks [n_blocks, dI]: mean (float32), k-norm, RoPE at the
     position of each block's first token."""
     r = cfg.indexer_compress_ratio
-    kb = raw_keys[: n_blocks * r].astype(jnp.float32).reshape(n_blocks, r, -1).mean(axis=1).astype(raw_keys.dtype)
+    kb = up(raw_keys[: n_blocks * r]).reshape(n_blocks, r, -1).mean(axis=1).astype(raw_keys.dtype)
     kb = rms_norm(kb, p.k_norm, cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(jnp.arange(n_blocks) * r, cfg.rotary_dim, cfg.rope_theta)
     return apply_rope(kb[:, None, :], cos, sin)[:, 0, :]
@@ -56,9 +56,8 @@ def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_
     tail = s[None, :] >= (visible * r)[:, None]
     if n_blocks == 0:
         return tail
-    scores = jnp.einsum("thd,bd->thb", q_index.astype(jnp.float32), kb.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST)
-    scores = jnp.sum(jax.nn.relu(scores), axis=1) / jnp.sqrt(jnp.float32(cfg.indexer_head_dim))
+    scores = jnp.einsum("thd,bd->thb", up(q_index), up(kb), precision=lax.Precision.HIGHEST)
+    scores = jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
     valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
     k = min(cfg.block_topk, n_blocks)
     _, top = lax.top_k(jnp.where(valid, scores, -jnp.inf), k)

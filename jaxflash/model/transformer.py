@@ -18,7 +18,7 @@ from . import gated_deltanet as gdn
 from . import hyper_connection as hc
 from . import ple as ple_mod
 from .attention import Attention, attention
-from .base import Array, pytree_dataclass
+from .base import Array, acc_dtype, precision_for, pytree_dataclass, up
 from .moe import MoE, moe
 
 
@@ -46,7 +46,7 @@ class Params:
 
 def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
     """The initial residual [..., T, W] float32: every stream starts as the token embedding."""
-    e = params.embed[tokens].astype(jnp.float32)
+    e = up(params.embed[tokens])
     return jnp.concatenate([e] * cfg.hc_count, axis=-1)
 
 
@@ -60,7 +60,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Ar
     s, eps = cfg.hc_count, cfg.rms_norm_eps
     b, t, w = h.shape
     if layer.ple is not None:
-        conv0 = ple_mod.init_state(cfg, jnp.float32).conv
+        conv0 = ple_mod.init_state(cfg, h.dtype).conv
         out, _ = jax.vmap(lambda hh, rr: ple_mod.ple(layer.ple, cfg, hh, rr, conv0))(h, ple_rows)
         h = h + out
 
@@ -81,9 +81,8 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Ar
 def lm_logits(params: Params, x: Array) -> Array:
     """float32 logits of the mixed hidden state x [..., H]."""
     x = x.astype(params.dtype)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum("...h,vh->...v", x, params.lm_head, precision=precision,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", x, params.lm_head, precision=precision_for(x.dtype),
+                      preferred_element_type=acc_dtype(x.dtype))
 
 
 def ple_rows_for(params: Params, cfg: ModelConfig, tokens: Array, ngram_ids: Array | None) -> Array | None:

@@ -107,11 +107,9 @@ def _expert_stack(r: _Reader, p: str, proj: str, n: int) -> np.ndarray | NVFP4:
         from ..quant import dequantize_fp8_block
         out = []
         for nm in names:
+            # `weight_scale_inv` (DeepSeek's name) is, despite the name, the same multiplier as weight_scale
             scale_name = f"{nm}.weight_scale" if src.has(f"{nm}.weight_scale") else f"{nm}.weight_scale_inv"
-            scale = np.asarray(r.raw(scale_name), np.float32)
-            if scale_name.endswith("_inv"):
-                scale = 1.0 / scale
-            out.append(dequantize_fp8_block(r.raw(f"{nm}.weight"), scale))
+            out.append(dequantize_fp8_block(r.raw(f"{nm}.weight"), np.asarray(r.raw(scale_name), np.float32)))
         return np.stack(out).astype(r.dtype)
     return np.stack([first] + [r.raw(f"{nm}.weight") for nm in names[1:]]).astype(r.dtype)
 
