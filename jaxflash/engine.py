@@ -70,8 +70,9 @@ class Engine:
             batch[i, : len(s)] = s
         return batch, lengths, single
 
-    def _ple_rows(self, batch: np.ndarray):
-        """Host-side n-gram rows when the table lives on the host; None lets the model gather on the device."""
+    def ple_rows(self, batch: np.ndarray):
+        """Host-side n-gram rows of a [B, T] batch when the table lives on the host; None when it is on the
+        device (the model gathers the rows itself)."""
         if self.host_table is None:
             return None
         ids, _ = ple_mod.ngram_ids(self.config, batch)
@@ -81,7 +82,7 @@ class Engine:
     def logits(self, tokens):
         """float32 logits [T, vocab] for one sequence, or a list of them for a list of sequences."""
         batch, lengths, single = self._batch(tokens)
-        out = self._logits(self.params, jnp.asarray(batch), self._ple_rows(batch))
+        out = self._logits(self.params, jnp.asarray(batch), self.ple_rows(batch))
         out = np.asarray(out)
         res = [out[i, :n] for i, n in enumerate(lengths)]
         return res[0] if single else res
@@ -89,7 +90,7 @@ class Engine:
     def hidden(self, tokens):
         """The pre-mixer multi-stream state [T, W] float32 (per sequence), what the MTP head reads."""
         batch, lengths, single = self._batch(tokens)
-        out = np.asarray(self._hidden(self.params, jnp.asarray(batch), self._ple_rows(batch)))
+        out = np.asarray(self._hidden(self.params, jnp.asarray(batch), self.ple_rows(batch)))
         res = [out[i, :n] for i, n in enumerate(lengths)]
         return res[0] if single else res
 
@@ -101,7 +102,7 @@ class Engine:
         batch, lengths, single = self._batch(tokens)
         if min(lengths) < 2:
             raise ValueError("MTP needs sequences of at least 2 tokens")
-        h = self._hidden(self.params, jnp.asarray(batch), self._ple_rows(batch))
+        h = self._hidden(self.params, jnp.asarray(batch), self.ple_rows(batch))
         nxt = jnp.asarray(np.concatenate([batch[:, 1:], batch[:, -1:]], axis=1))
         out, _ = self._mtp(self.params, h, nxt)
         out = np.asarray(out)

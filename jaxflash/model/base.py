@@ -20,7 +20,7 @@ def pytree_dataclass(cls):
 
 def acc_dtype(dtype) -> jnp.dtype:
     """The dtype for math that must not run in bf16: float32, or float64 when the model runs in float64."""
-    return jnp.promote_types(dtype, jnp.float32)
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
 
 
 def up(x: Array) -> Array:
