@@ -114,7 +114,7 @@ def _weights_bar(ckpt: Checkpoint, show: bool | None):
     """A byte-counting progress bar over the weights load_params reads (the n-gram table is read separately)."""
     from tqdm.auto import tqdm
 
-    total = sum(ckpt.info(n).nbytes for n in ckpt.names() if "ngram_embedding" not in n)
+    total = sum(ckpt.info(n).nbytes for n in ckpt.expected() if "ngram_embedding" not in n)
     return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
                 disable=None if show is None else not show, dynamic_ncols=True)
 
@@ -143,4 +143,5 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     with _weights_bar(ckpt, progress) as bar:
         params = load_params(ckpt, cfg, dtype, ple_table=on_device, device=device,
                              on_read=lambda name: bar.update(ckpt.info(name).nbytes))
+        bar.update(bar.total - bar.n)  # what was not read: input_scale, the PLE hash buffers
     return Engine(cfg, params, host_table=table, checkpoint=ckpt)
