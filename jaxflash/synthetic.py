@@ -39,7 +39,8 @@ from . import presets
 from .checkpoint import (DTYPES, RELEASE_PREFIX, TEXT_PREFIX, Checkpoint, CheckpointError, QuantConfig,
                          QuantScheme, SafetensorsWriter, TensorSpec, expected_tensors, full_name)
 from .config import FULL_ATTENTION, ModelConfig
-from .quant import FP8_BLOCK, FP8_E4M3_MAX, quantize_fp8_block, quantize_fp8_per_tensor, quantize_nvfp4
+from .quant import (FP8_BLOCK, FP8_E4M3_MAX, quantize_fp8_block, quantize_fp8_per_tensor, quantize_nvfp4,
+                    synthetic_input_scale)
 
 TRANSFORMERS_VERSION = "5.23.0"  # the reference these files were checked against
 
@@ -673,3 +674,128 @@ def activation_report(model, input_ids) -> dict[str, float]:
     rms["logits"] = float(logits.float().pow(2).mean().sqrt())
     rms["logits_std"] = float(logits.float().std(-1).mean())
     return rms
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In memory: a full-size model without writing ~123 GB to disk (benchmarks)
+# ---------------------------------------------------------------------------------------------------------------
+NGRAM_SCALE = np.float32(NGRAM_CLIP) / np.float32(FP8_E4M3_MAX)  # the FP8 table's global scale
+E2M1_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
+
+
+class SyntheticSource:
+    """A tensor source (`has`, `read`, see jaxflash.model.weights) that generates a seeded random model on demand,
+    in NVIDIA's NVFP4 layout: what `write_checkpoint(quant="nvfp4")` would write, without the disk.
+
+    Dense tensors follow the same initialisation rules as the writer. NVFP4 experts are NOT quantized from
+    Gaussian weights (that takes an hour at full size on a few cores): their E2M1 codes are uniformly random
+    bytes and their block scales are chosen so each projection has the writer's RMS. A layer's experts are
+    generated together, on several threads, when the first of them is read.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int = 0, threads: int | None = None):
+        self.config, self.seed = config, seed
+        self.quant = release_quant_config(config)
+        self.specs = expected_tensors(config, self.quant, mtp=config.mtp_num_hidden_layers > 0)
+        self.threads = threads or min(16, os.cpu_count() or 1)
+        self._experts: tuple[str, dict[str, np.ndarray]] | None = None  # (module prefix, name -> stacked array)
+
+    def has(self, name: str) -> bool:
+        return name in self.specs
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self.specs:
+            raise KeyError(f"synthetic model has no tensor {name!r}")
+        shape, dt = self.specs[name]
+        if ".mlp.experts." in name:
+            return self._expert_tensor(name)
+        if name.endswith(("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")):
+            return ple_buffer(name, self.config, self.config.ple_layers.index(int(name.split(".")[1])))
+        if name.endswith(".input_scale"):
+            return np.asarray(synthetic_input_scale(), np.float32)
+        if name.endswith("ngram_embedding.weight_scale"):
+            return np.asarray(NGRAM_SCALE, np.float32)
+        if ".ngram_embedding.shard_" in name:
+            layer, shard = int(name.split(".")[1]), int(name.split(".shard_")[1].split(".")[0])
+            return self._ngram_shard(self.config.ple_layers.index(layer), shard)
+        return _cast(self._dense(name, shape), dt)
+
+    def _dense(self, name: str, shape) -> np.ndarray:
+        """float32 values by the writer's rules, generated in row chunks on several threads."""
+        rows = shape[0] if shape else 1
+        row_elems = math.prod(shape[1:]) if len(shape) > 1 else 1
+        step = max(1, CHUNK_ELEMS // max(row_elems, 1)) if len(shape) > 1 else rows
+        starts = list(range(0, rows, step))
+        out = np.empty(shape, np.float32)
+
+        def fill(k):
+            r0 = starts[k]
+            r1 = min(rows, r0 + step)
+            sub = (r1 - r0, *shape[1:]) if shape else ()
+            out[r0:r1] = _init(name, sub, self.config, _rng(self.seed, name, k))
+
+        if len(starts) == 1:
+            fill(0)
+        else:
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(fill, range(len(starts))))
+        return out
+
+    def _expert_tensor(self, name: str) -> np.ndarray:
+        """One expert's tensor, from the stacked arrays of its layer (generated on the first request)."""
+        module, suffix = name.rsplit(".", 1)  # ...mlp.experts.{e}.{proj}, weight|weight_scale|...
+        head, e, proj = module.rsplit(".", 2)
+        key = f"{head}.{proj}"
+        if self._experts is None or self._experts[0] != key:
+            self._experts = (key, self._generate_experts(head, proj))
+        return self._experts[1][suffix][int(e)]
+
+    def _generate_experts(self, head: str, proj: str) -> dict[str, np.ndarray]:
+        c, n = self.config, self.config.num_experts
+        shape, dt = self.specs[f"{head}.0.{proj}.weight"]
+        out_f = shape[0]
+        scheme = self.quant.scheme(f"{head}.0.{proj}")
+        in_f = shape[1] * (2 if scheme and scheme.algo == "NVFP4" else 1)
+        target_rms = (MOE_OUT_GAIN if proj == "down_proj" else 1.0) / math.sqrt(in_f)
+        rng = _rng(self.seed, f"{head}.{proj}")
+        if scheme is None:  # BF16 experts
+            return {"weight": np.stack([self._dense(f"{head}.{e}.{proj}.weight", (out_f, in_f)).astype(DTYPES[dt])
+                                        for e in range(n)])}
+        if scheme.algo == "FP8_PB_WO":  # the MTP layer's experts
+            return self._fp8_block(head, proj, n)
+        packed = np.empty((n, out_f, in_f // 2), np.uint8)
+        seeds = rng.integers(0, 2**63, n)
+
+        def fill(e):
+            packed[e] = np.frombuffer(np.random.default_rng(seeds[e]).bytes(packed[e].size), np.uint8).reshape(
+                packed[e].shape)
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(fill, range(n)))
+        scale = rng.uniform(0.75, 1.25, (n, out_f, in_f // 16)).astype(ml_dtypes.float8_e4m3fn)
+        scale2 = np.full(n, target_rms / E2M1_RMS, np.float32)
+        return {"weight": packed, "weight_scale": scale, "weight_scale_2": scale2,
+                "input_scale": np.full(n, synthetic_input_scale(), np.float32)}
+
+    def _fp8_block(self, head: str, proj: str, n: int) -> dict[str, np.ndarray]:
+        ws, ss = [], []
+        for e in range(n):
+            shape = self.specs[f"{head}.{e}.{proj}.weight"][0]
+            q, s = quantize_fp8_block(self._dense(f"{head}.{e}.{proj}.weight", shape), FP8_BLOCK)
+            ws.append(q)
+            ss.append(s)
+        return {"weight": np.stack(ws), "weight_scale": np.stack(ss)}
+
+    def ngram_table(self, ple_index: int = 0):
+        """The FP8 n-gram table as memory shards (an NGramTable, like Checkpoint.read_ngram_table)."""
+        from .checkpoint import NGramTable
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            shards = list(pool.map(lambda i: self._ngram_shard(ple_index, i), range(self.config.split_ngram_parts)))
+        return NGramTable(shards, [], float(NGRAM_SCALE), "synthetic n-gram table")
+
+    def _ngram_shard(self, ple_index: int, i: int) -> np.ndarray:
+        c = self.config
+        rows = c.ngram_table_rows(ple_index) // c.split_ngram_parts
+        x = _normal(_rng(self.seed, f"ngram.{ple_index}", i), (rows, c.ngram_head_dim), NGRAM_STD)
+        return quantize_fp8_per_tensor(np.clip(x, -NGRAM_CLIP, NGRAM_CLIP), NGRAM_SCALE)[0]

@@ -5,5 +5,3 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))  # the shared reference helpers (hf_reference.py)
-
-import jaxflash  # noqa: E402,F401  (sets the XLA:CPU flags jaxflash needs before the backend starts)

@@ -190,3 +190,25 @@ def test_full_preset_plan():
     small = synthetic.make_config("full", ngram_rows_scale=0.01)
     assert small.ngram_table_rows() % 128 == 0 and small.ngram_table_rows() < c.ngram_table_rows() // 50
     assert small.ngram_head_vocab_sizes() != c.ngram_head_vocab_sizes()  # buffers follow the config
+
+
+def test_synthetic_source_in_memory(made):
+    """The in-memory source (full-size benchmarks) has every tensor of the NVFP4 layout, its dense tensors equal
+    the written checkpoint's, and the model it builds runs."""
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash.model.weights import load_params
+
+    ckpt = Checkpoint.open(made["nvfp4"])
+    src = synthetic.SyntheticSource(ckpt.config, seed=3, threads=2)
+    for name, (shape, dt) in ckpt.expected().items():
+        a = src.read(name)
+        assert a.shape == tuple(shape) and a.dtype == DTYPES[dt], name
+    for name in ("embed_tokens.weight", "layers.3.self_attn.q_proj.weight", "layers.1.ple.key_proj.weight"):
+        np.testing.assert_array_equal(src.read(name), ckpt.read(name))
+    table = src.ngram_table()
+    assert table.shape == ckpt.read_ngram_table().shape
+    engine = jaxflash.Engine(ckpt.config, load_params(src, ckpt.config, "float32"), host_table=table)
+    logits = engine.logits(np.arange(40) % ckpt.config.vocab_size)
+    assert np.isfinite(logits).all() and 0.3 < float(jnp.std(logits)) < 30

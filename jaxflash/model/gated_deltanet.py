@@ -59,6 +59,30 @@ def causal_conv(x: Array, history: Array, w: Array) -> tuple[Array, Array, Array
     return acc.astype(x.dtype), hist
 
 
+def unit_lower_inverse(m: Array) -> Array:
+    """Inverse of unit lower-triangular matrices m [..., n, n] (n a power of two; only the strictly lower part
+    of m is read), by block doubling: with the diagonal blocks of size s already inverted,
+        [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]
+    gives the inverses of the blocks of size 2s. log2(n) levels of batched matmuls: no LAPACK call (whose
+    batched CPU kernel can deadlock XLA's thread pool) and no sequential substitution on the GPU."""
+    n = m.shape[-1]
+    lead = m.shape[:-2]
+    inv = jnp.ones((*lead, n, 1, 1), m.dtype)  # the 1x1 diagonal blocks of a unit triangle
+    s = 1
+    while s < n:
+        nb = n // (2 * s)
+        blocks = m.reshape(*lead, nb, 2 * s, nb, 2 * s)
+        diag = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, 2s, 2s]
+        c = diag[..., s:, :s]
+        a, b = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -jnp.einsum("...ij,...jk,...kl->...il", b, c, a, precision=_HI)
+        top = jnp.concatenate([a, jnp.zeros_like(a)], axis=-1)
+        bottom = jnp.concatenate([lower, b], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv[..., 0, :, :]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state):
     """Chunked form. q, k [T, Hv, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv]. All float32.
 
@@ -86,10 +110,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     kb = k * beta[..., None]
     vb = v * beta[..., None]
     a_mat = jnp.einsum("hncd,hned->hnce", kb, k, precision=_HI) * decay
-    system = jnp.eye(CHUNK, dtype=a_mat.dtype) + jnp.tril(a_mat, -1)
-    u = lax.linalg.triangular_solve(system, vb, left_side=True, lower=True, unit_diagonal=True)
-    wd = lax.linalg.triangular_solve(system, kb * jnp.exp(gam)[..., None], left_side=True, lower=True,
-                                     unit_diagonal=True)
+    inv = unit_lower_inverse(jnp.tril(a_mat, -1))  # (I + A)^-1
+    u = jnp.einsum("hnij,hnjd->hnid", inv, vb, precision=_HI)
+    wd = jnp.einsum("hnij,hnjd->hnid", inv, kb * jnp.exp(gam)[..., None], precision=_HI)
     qd = q * jnp.exp(gam)[..., None]
     kd = k * jnp.exp(gam[..., -1:] - gam)[..., None]
     intra = jnp.einsum("hncd,hned->hnce", q, k, precision=_HI) * decay

@@ -30,14 +30,15 @@ class NVFP4:
 
 
 def dequantize(w: NVFP4, dtype) -> Array:
-    """W[e, n, k] = E2M1(code) * scale[e, n, k // 16] * scale2[e], computed in float32."""
+    """W[..., n, k] = E2M1(code) * scale[..., n, k // 16] * scale2[...], computed in float32 (any leading
+    axes: the expert axis, or the (token, k) axes of gathered experts)."""
     lo = w.packed & 0xF
     hi = w.packed >> 4
     codes = jnp.stack([lo, hi], axis=-1).reshape(*w.packed.shape[:-1], -1)
     mag = jnp.asarray(E2M1_VALUES, jnp.float32)[codes & 7]
     vals = jnp.where(codes & 8, -mag, mag)
     scale = jnp.repeat(w.scale.astype(jnp.float32), NVFP4_GROUP, axis=-1)
-    return (vals * scale * w.scale2.reshape(-1, *([1] * (vals.ndim - 1)))).astype(dtype)
+    return (vals * scale * w.scale2[..., None, None]).astype(dtype)
 
 
 def take_experts(w: Array | NVFP4, idx: Array) -> Array | NVFP4:
