@@ -689,7 +689,7 @@ class SyntheticSource:
 
     Dense tensors follow the same initialisation rules as the writer. NVFP4 experts are NOT quantized from
     Gaussian weights (that takes an hour at full size on a few cores): their E2M1 codes are uniformly random
-    bytes and their block scales are chosen so each projection has the writer's RMS. A layer's experts are
+    bytes, their block scales 1.0, and their per-tensor scales give each projection the writer's RMS. A layer's experts are
     generated together, on several threads, when the first of them is read.
     """
 
@@ -772,8 +772,9 @@ class SyntheticSource:
 
         with ThreadPoolExecutor(self.threads) as pool:
             list(pool.map(fill, range(n)))
-        scale = rng.uniform(0.75, 1.25, (n, out_f, in_f // 16)).astype(ml_dtypes.float8_e4m3fn)
-        scale2 = np.full(n, target_rms / E2M1_RMS, np.float32)
+        # block scales of 1.0 (FP8 bits 0x38); each expert's magnitude varies through its per-tensor scale
+        scale = np.full((n, out_f, in_f // 16), 0x38, np.uint8).view(ml_dtypes.float8_e4m3fn)
+        scale2 = (target_rms / E2M1_RMS * rng.uniform(0.75, 1.25, n)).astype(np.float32)
         return {"weight": packed, "weight_scale": scale, "weight_scale_2": scale2,
                 "input_scale": np.full(n, synthetic_input_scale(), np.float32)}
 

@@ -108,12 +108,23 @@ def test_host_table_equals_device_table(ref, engine):
     np.testing.assert_allclose(host.logits(s), engine.logits(s), rtol=0, atol=1e-6)
 
 
-def test_moe_gather_and_ragged_agree(ref, engine):
+def test_moe_paths_agree(ref, engine):
+    """gather, tiled (several tiles per expert, partial tiles, steps of tiles) and ragged compute one sum."""
+    from jaxflash.model import moe as moe_mod
+
+    p = engine.params.layers[0].moe
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((37, ref[0].hidden_size)), jnp.float32)
+    w, idx = moe_mod.route(p, engine.config, x)
+    want = np.asarray(moe_mod.experts_gather(p.experts, x, idx, w), np.float64)
+    for got in (moe_mod.experts_ragged(p.experts, x, idx, w),
+                moe_mod.experts_tiled(p.experts, x, idx, w, tile=4, tiles_per_step=3),
+                moe_mod.experts_tiled(p.experts, x, idx, w)):
+        assert rel_err(got, want) < 1e-5
     toks = jnp.asarray(np.random.default_rng(4).integers(0, ref[0].vocab_size, (2, 48)))
     f = jax.jit(lambda p, t, impl: transformer.forward(p, engine.config, t, moe_impl=impl), static_argnums=2)
     a = np.asarray(f(engine.params, toks, "gather"))
-    b = np.asarray(f(engine.params, toks, "ragged"))
-    assert rel_err(a, b.astype(np.float64)) < 1e-5
+    for impl in ("tiled", "ragged"):
+        assert rel_err(f(engine.params, toks, impl), a.astype(np.float64)) < 1e-5
 
 
 def test_bfloat16_within_bf16_rounding(ref, tmp_path):
@@ -173,9 +184,10 @@ def test_nvfp4_experts(ref):
     assert near_ties(model, s) == 0
     ref_logits = hf_logits(model, s)
     assert rel_err(eng.logits(s), ref_logits) < TOL
-    # both expert paths dequantise correctly (80 tokens pick "ragged" by default)
-    gather = jax.jit(lambda p, t: transformer.forward(p, cfg, t, moe_impl="gather"))(params, jnp.asarray(s))
-    assert rel_err(gather, ref_logits) < TOL
+    # every expert path dequantises correctly (80 tokens pick "tiled" by default)
+    for impl in ("gather", "ragged"):
+        out = jax.jit(lambda p, t: transformer.forward(p, cfg, t, moe_impl=impl))(params, jnp.asarray(s))
+        assert rel_err(out, ref_logits) < TOL
 
 
 def test_mtp_head(ref, engine):

@@ -1,9 +1,11 @@
 """Sparse MoE with a shared expert (SPEC.md section 10).
 
 Routed experts are stored either dense ([E, out, in], BF16/F32 checkpoints) or as NVFP4 (`NVFP4` below,
-dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Two ways to run them:
+dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Three ways to run them:
   * gather: per (token, k) take that expert's weights. Cheap when tokens*top_k is small (decode).
-  * ragged: sort the (token, k) pairs by expert and run one grouped matmul per projection (prefill).
+  * tiled: sort the (token, k) pairs by expert into tiles of one expert each; batched matmuls over tiles
+    (prefill; memory bounded at any length).
+  * ragged: lax.ragged_dot over all experts (fine on the CPU; XLA:GPU makes it a dense matmul).
 """
 
 from __future__ import annotations
@@ -112,12 +114,62 @@ def experts_ragged(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     return jnp.zeros((n, x.shape[-1]), f32).at[token].add(y)
 
 
+def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, tiles_per_step: int = 32) -> Array:
+    """The same sum as a grouped matmul over fixed-size tiles, with memory bounded by a few tiles' weights.
+
+    The (token, k) pairs are sorted by expert and each expert's group is padded to whole tiles of `tile` rows,
+    so every tile belongs to one expert. Tiles are processed `tiles_per_step` at a time: gather (and
+    dequantise) those tiles' experts, one batched matmul per projection. Each expert's weights are read once
+    per tile it fills. (XLA lowers lax.ragged_dot on the GPU to a dense matmul over all experts' weights, which
+    does not fit at full size for long inputs; this path does.)
+    """
+    dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
+    n, k = idx.shape
+    a = n * k
+    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    token = order // k
+    counts = jnp.bincount(flat, length=num_experts)
+    tiles_of = (counts + tile - 1) // tile
+    tile_start = jnp.cumsum(tiles_of) - tiles_of  # first tile of each expert
+    group_start = jnp.cumsum(counts) - counts
+    row = tile_start[expert] * tile + jnp.arange(a) - group_start[expert]  # padded row of each sorted pair
+
+    max_tiles = -(-a // tile) + min(num_experts, a)  # static bound on the padded tile count
+    steps = -(-max_tiles // tiles_per_step)
+    n_tiles = steps * tiles_per_step
+    tile_expert = jnp.clip(jnp.searchsorted(tile_start, jnp.arange(n_tiles), side="right") - 1, 0, num_experts - 1)
+    xs = jnp.zeros((n_tiles * tile, x.shape[-1]), dt).at[row].set(x[token])
+
+    def step(xt, ex):  # xt [S, tile, H] rows of S tiles, ex [S] their experts
+        gate = as_dense(take_experts(e.gate, ex), dt)  # [S, I, H]
+        up = as_dense(take_experts(e.up, ex), dt)
+        down = as_dense(take_experts(e.down, ex), dt)  # [S, H, I]
+        g = jnp.einsum("sth,sih->sti", xt, gate, precision=prec, preferred_element_type=f32)
+        u = jnp.einsum("sth,sih->sti", xt, up, precision=prec, preferred_element_type=f32)
+        act = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
+        return jnp.einsum("sti,shi->sth", act, down, precision=prec, preferred_element_type=f32).astype(dt)
+
+    ys = lax.map(lambda args: step(*args), (xs.reshape(steps, tiles_per_step, tile, -1),
+                                            tile_expert.reshape(steps, tiles_per_step)))
+    ys = ys.reshape(n_tiles * tile, -1)[row].astype(f32) * w.reshape(-1)[order].astype(f32)[:, None]
+    return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys)
+
+
+EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled}
+
+
 def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto") -> Array:
-    """MoE block over tokens x [N, H] -> [N, H] in x's dtype."""
+    """MoE block over tokens x [N, H] -> [N, H] in x's dtype. impl: "gather", "tiled", "ragged" or "auto"
+    (gather while the tokens' expert uses are fewer than the experts, tiled beyond)."""
     w, idx = route(p, cfg, x)
     if impl == "auto":
-        impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "ragged"
-    routed = (experts_gather if impl == "gather" else experts_ragged)(p.experts, x, idx, w)
+        impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "tiled"
+    if impl not in EXPERT_PATHS:
+        raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
+    routed = EXPERT_PATHS[impl](p.experts, x, idx, w)
     shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
                     * linear(x, p.shared_up_proj), p.shared_down_proj)
     shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
