@@ -48,6 +48,8 @@ def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_
 
     A query at position p sees nb = (p + 1) // r complete blocks. Scores are sum_h relu(q_h . k_b) / sqrt(dI);
     the top min(block_topk, nb) blocks are kept, plus the tail positions r*nb .. p. Causality is not applied here.
+    Equal scores (common: a block whose every head product is negative scores exactly 0) go to the earlier
+    block; the reference's torch.topk breaks such ties in no documented order.
     """
     r = cfg.indexer_compress_ratio
     n_blocks = kb.shape[0]
