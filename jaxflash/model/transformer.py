@@ -58,7 +58,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Ar
     """
     dt = layer.moe.router.dtype
     s, eps = cfg.hc_count, cfg.rms_norm_eps
-    b, t, w = h.shape
+    b, t, _ = h.shape
     if layer.ple is not None:
         conv0 = ple_mod.init_state(cfg, h.dtype).conv
         out, _ = jax.vmap(lambda hh, rr: ple_mod.ple(layer.ple, cfg, hh, rr, conv0))(h, ple_rows)
