@@ -69,10 +69,15 @@ class MoE:
     shared_expert_gate: Array  # [1, H]
 
 
-def route(p: MoE, cfg: ModelConfig, x: Array) -> tuple[Array, Array]:
+def router_probs(p: MoE, x: Array) -> Array:
+    """Softmax over the experts [N, E] (float32)."""
+    return jax.nn.softmax(up(linear(x, p.router)), axis=-1)
+
+
+def route(p: MoE, cfg: ModelConfig, x: Array, probs: Array | None = None) -> tuple[Array, Array]:
     """Top-k expert ids [N, k] (int32) and their weights [N, k] (x's dtype): softmax in float32, top-k,
     renormalised when norm_topk_prob."""
-    probs = jax.nn.softmax(up(linear(x, p.router)), axis=-1)
+    probs = router_probs(p, x) if probs is None else probs
     w, idx = lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
@@ -161,10 +166,14 @@ def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, ti
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled}
 
 
-def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto") -> Array:
+def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto", router_stats: list | None = None) -> Array:
     """MoE block over tokens x [N, H] -> [N, H] in x's dtype. impl: "gather", "tiled", "ragged" or "auto"
-    (gather while the tokens' expert uses are fewer than the experts, tiled beyond)."""
-    w, idx = route(p, cfg, x)
+    (gather while the tokens' expert uses are fewer than the experts, tiled beyond). With a list as
+    `router_stats`, (router probabilities [N, E], chosen ids [N, k]) is appended to it (for training losses)."""
+    probs = router_probs(p, x)
+    w, idx = route(p, cfg, x, probs)
+    if router_stats is not None:
+        router_stats.append((probs, idx))
     if impl == "auto":
         impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "tiled"
     if impl not in EXPERT_PATHS:

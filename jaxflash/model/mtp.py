@@ -29,7 +29,7 @@ class MTP:
 
 
 def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array,
-                moe_impl: str = "auto") -> tuple[Array, Array]:
+                moe_impl: str = "auto", router_stats: list | None = None) -> tuple[Array, Array]:
     """hidden [..., T, W]: the main model's pre-mixer state at positions 0..T-1; next_tokens [..., T]: the
     tokens at positions 1..T. Returns (draft logits [..., T, V] for the tokens at positions 2..T+1, the MTP
     layer's output state [..., T, W])."""
@@ -43,7 +43,8 @@ def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Ar
     e = linear(rms_norm(params.embed[next_tokens].astype(dt), m.pre_fc_norm_embedding, eps), m.fc_embedding)
     hn = rms_norm(hidden, m.pre_fc_norm_hidden, eps).astype(dt).reshape(b, t, s, hid)
     x0 = up(linear(hn, m.fc_hidden)) + up(e)[:, :, None, :]
-    h = decoder_layer(m.layer, cfg, x0.reshape(b, t, s * hid), jnp.arange(t), moe_impl=moe_impl)
+    h = decoder_layer(m.layer, cfg, x0.reshape(b, t, s * hid), jnp.arange(t), moe_impl=moe_impl,
+                      router_stats=router_stats)
     x, _ = hc.mix(m.mixer, h, s, eps)
     logits = lm_logits(params, x)
     return (logits[0], h[0]) if single else (logits, h)

@@ -51,7 +51,7 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 
 
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Array, *,
-                  ple_rows: Array | None = None, moe_impl: str = "auto") -> Array:
+                  ple_rows: Array | None = None, moe_impl: str = "auto", router_stats: list | None = None) -> Array:
     """One decoder layer over a batch of whole sequences from position 0 (fresh state). h [B, T, W].
 
     The mixers run per sequence (vmapped); the MoE runs over all B*T tokens at once.
@@ -74,7 +74,8 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Ar
     h = hc.combine(h, inj, y)
 
     x, inj = hc.mix(layer.mlp_hc, h, s, eps)
-    y = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), impl=moe_impl).reshape(b, t, -1)
+    y = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), impl=moe_impl,
+            router_stats=router_stats).reshape(b, t, -1)
     return hc.combine(h, inj, y)
 
 
@@ -107,15 +108,16 @@ def _batched(tokens: Array, *extra):
 
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, *, ple_rows: Array | None = None,
-                   ngram_ids: Array | None = None, moe_impl: str = "auto") -> Array:
-    """The multi-stream residual after the last layer, before the final mixer: [..., T, W] float32."""
+                   ngram_ids: Array | None = None, moe_impl: str = "auto", router_stats: list | None = None) -> Array:
+    """The multi-stream residual after the last layer, before the final mixer: [..., T, W] float32.
+    router_stats: a list that collects each layer's (router probabilities, expert ids) (see moe.moe)."""
     single, tokens, ple_rows, ngram_ids = _batched(tokens, ple_rows, ngram_ids)
     positions = jnp.arange(tokens.shape[-1])
     if ple_rows is None:
         ple_rows = ple_rows_for(params, cfg, tokens, ngram_ids)
     h = embed(params, cfg, tokens)
     for layer in params.layers:
-        h = decoder_layer(layer, cfg, h, positions, ple_rows=ple_rows, moe_impl=moe_impl)
+        h = decoder_layer(layer, cfg, h, positions, ple_rows=ple_rows, moe_impl=moe_impl, router_stats=router_stats)
     return h[0] if single else h
 
 
