@@ -3,7 +3,7 @@
 gradients, on English text from the Debian archive.
 
     apt-get install bible-kjv python3.11-doc        # the data (any python3.X-doc works)
-    python scripts/train_tiny.py                    # ~1 hour on 2 cores; writes jaxflash/assets/default_model
+    python scripts/train_tiny.py                    # ~40 minutes on 2 cores; writes jaxflash/assets/default_model
 
 Data: the King James Bible (`bible "Gen1:1-Rev22:21"`, one document per chapter, verse numbers removed) and
 the reStructuredText sources of the Python documentation (one document per file). Documents are joined with
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "jaxflash", "assets", "default_model"))
     ap.add_argument("--work", default=os.path.join(ROOT, "build", "train_tiny"), help="held-out text, bf16 export")
-    ap.add_argument("--steps", type=int, default=2500, help="optimizer steps (the LR schedule spans them)")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (the LR schedule spans them)")
     ap.add_argument("--minutes", type=float, default=120.0, help="stop early after this long")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
