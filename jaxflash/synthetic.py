@@ -741,6 +741,11 @@ class SyntheticSource:
                 list(pool.map(fill, range(len(starts))))
         return out
 
+    def expert_stack(self, layer: int, proj: str) -> dict[str, np.ndarray]:
+        """All experts of decoder layer `layer`'s `proj` (gate_proj, up_proj, down_proj) at once:
+        {"weight": [E, ...], "weight_scale": [E, ...], "weight_scale_2": [E], ...}."""
+        return self._generate_experts(f"layers.{layer}.mlp.experts", proj)
+
     def _expert_tensor(self, name: str) -> np.ndarray:
         """One expert's tensor, from the stacked arrays of its layer (generated on the first request)."""
         module, suffix = name.rsplit(".", 1)  # ...mlp.experts.{e}.{proj}, weight|weight_scale|...

@@ -37,3 +37,25 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The checkpoint's chat template (jinja2, sandboxed) rendered for `messages`; extra keyword arguments
+        (tools, enable_thinking, ...) are passed to the template."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise ValueError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "", **kwargs)
+
+    def special_ids(self) -> set[int]:
+        """Ids of the added special tokens."""
+        return {int(i) for i, t in self.config.get("added_tokens_decoder", {}).items() if t.get("special")}

@@ -58,3 +58,64 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, positions: Array) -> Arr
     o = attend(q, k, v, mask).reshape(t, nh * hd)
     o = o * jax.nn.sigmoid(up(gate.reshape(t, nh * hd))).astype(o.dtype)
     return linear(o, p.o_proj)
+
+
+# ----- the stateful form: a paged KV cache (the engine's prefill chunks and decode steps) ----------------------
+@pytree_dataclass
+class PagedKV:
+    """One attention layer's KV cache, shared by all sequences: P pages of `page` token rows. A sequence owns
+    the pages its row of the page table [max_pages] names; token position s lives in page table[s // page] at
+    row s % page. QSA's raw indexer keys are cached beside K and V (block keys are pooled from them)."""
+
+    k: Array  # [P, page, n_kv, head_dim]
+    v: Array  # [P, page, n_kv, head_dim]
+    index_keys: Array | None  # [P, page, dI]
+
+
+def write_pages(pages: Array, page_table: Array, positions: Array, valid: Array, values: Array) -> Array:
+    """Store values [B, T, ...] at token positions [B, T] of each sequence; invalid rows are dropped."""
+    n_pages, size = pages.shape[:2]
+    slot = jnp.take_along_axis(page_table, jnp.clip(positions // size, 0, page_table.shape[1] - 1), axis=1)
+    slot = jnp.where(valid, slot, n_pages)  # out of range: dropped by the scatter
+    return pages.at[slot, positions % size].set(values.astype(pages.dtype), mode="drop")
+
+
+def read_pages(pages: Array, table_row: Array) -> Array:
+    """A sequence's whole cache [max_pages * page, ...] in position order (rows past its length are stale)."""
+    got = pages[table_row]
+    return got.reshape(-1, *pages.shape[2:])
+
+
+def attention_paged(p: Attention, cfg: ModelConfig, x: Array, positions: Array, valid: Array, kv: PagedKV,
+                    page_table: Array) -> tuple[Array, PagedKV]:
+    """Attention for new tokens x [B, T, H] at absolute `positions` [B, T] (valid [B, T] marks real tokens),
+    after their keys and values join each sequence's pages. Returns ([B, T, H], updated cache). Equal to
+    `attention` over the whole sequence: same masks, QSA blocks pooled from the cached raw keys."""
+    b, t = x.shape[:2]
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)  # [B, T, rd]
+
+    qg = linear(x, p.q_proj).reshape(b, t, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    q = apply_rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
+    k = apply_rope(rms_norm(linear(x, p.k_proj).reshape(b, t, nkv, hd), p.k_norm, cfg.rms_norm_eps), cos, sin)
+    v = linear(x, p.v_proj).reshape(b, t, nkv, hd)
+    kv = PagedKV(k=write_pages(kv.k, page_table, positions, valid, k),
+                 v=write_pages(kv.v, page_table, positions, valid, v), index_keys=kv.index_keys)
+    q_index = None
+    if p.indexer is not None:
+        q_index, raw = jax.vmap(lambda xx, c, s: qsa.queries_and_raw_keys(p.indexer, cfg, xx, c, s))(x, cos, sin)
+        kv = PagedKV(kv.k, kv.v, write_pages(kv.index_keys, page_table, positions, valid, raw))
+
+    def one(q_b, pos_b, row, qi_b):
+        keys, values = read_pages(kv.k, row), read_pages(kv.v, row)
+        n_keys = keys.shape[0]
+        mask = pos_b[:, None] >= jnp.arange(n_keys)[None, :]
+        if qi_b is not None:
+            kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_keys // cfg.indexer_compress_ratio)
+            mask &= qsa.selection_mask(cfg, qi_b, kb, pos_b, n_keys)
+        return attend(q_b, keys, values, mask)
+
+    o = jax.vmap(one)(q, positions, page_table, q_index).reshape(b, t, nh * hd)
+    o = o * jax.nn.sigmoid(up(gate.reshape(b, t, nh * hd))).astype(o.dtype)
+    return linear(o, p.o_proj), kv

@@ -142,6 +142,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         s = s + k_t[:, :, None] * ((v_t - kv) * b_t[:, None])[:, None, :]
         return s, jnp.einsum("hkv,hk->hv", s, q_t, precision=_HI)
 
+    if q.shape[0] == 1:  # a decode step: no loop (a GPU while loop costs a host round trip per iteration)
+        state, o = step(state, (q[0], k[0], v[0], g[0], beta[0]))
+        return o[None], state
     state, o = lax.scan(step, state, (q, k, v, g, beta))
     return o, state
 

@@ -43,6 +43,28 @@ def dequantize(w: NVFP4, dtype) -> Array:
     return (vals * scale * w.scale2[..., None, None]).astype(dtype)
 
 
+def e2m1(codes: Array, dtype=jnp.float32) -> Array:
+    """E2M1 values of 4-bit codes (any integer array; bit 3 is the sign), by arithmetic rather than a table
+    lookup so that XLA fuses it into whatever consumes it: 2^(e-1) * (1 + m/2), or m/2 when e = 0."""
+    c = codes.astype(jnp.int32)
+    e, m = (c >> 1) & 3, (c & 1).astype(dtype)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(dtype)))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def nvfp4_matvec(w: NVFP4, x: Array) -> Array:
+    """W x for NVFP4 matrices w [..., N, K/2] and vectors x [..., K] (broadcasting) without materialising W:
+    one elementwise-multiply-and-reduce over the packed bytes, which XLA fuses into a single pass over the
+    weights -- the decode step reads each expert's 4-bit weights once. Accumulates in float32 (float64 for a
+    float64 x); returns [..., N]."""
+    f = acc_dtype(x.dtype)
+    xf = x.astype(f)
+    xe, xo = xf[..., None, 0::2], xf[..., None, 1::2]  # the inputs of each byte's low and high nibble
+    prod = e2m1(w.packed & 0xF, f) * xe + e2m1(w.packed >> 4, f) * xo  # [..., N, K/2]
+    groups = prod.reshape(*prod.shape[:-1], -1, NVFP4_GROUP // 2).sum(axis=-1)  # [..., N, K/16]
+    return jnp.sum(groups * w.scale.astype(f), axis=-1) * w.scale2[..., None].astype(f)
+
+
 def take_experts(w: Array | NVFP4, idx: Array) -> Array | NVFP4:
     """The experts idx (any shape) of a stacked weight: leading axis E becomes idx's shape."""
     return jax.tree.map(lambda a: a[idx], w)
@@ -62,7 +84,7 @@ class Experts:
 @pytree_dataclass
 class MoE:
     router: Array  # gate.weight [E, H]
-    experts: Experts
+    experts: Experts | None  # None: routed experts held outside the parameters (the engine's host pool)
     shared_gate_proj: Array  # [Is, H]
     shared_up_proj: Array  # [Is, H]
     shared_down_proj: Array  # [H, Is]
@@ -87,6 +109,12 @@ def route(p: MoE, cfg: ModelConfig, x: Array, probs: Array | None = None) -> tup
 def experts_gather(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) by gathering each (token, k)'s weights. Output float32 [N, H]."""
     dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
+    if isinstance(e.gate, NVFP4):  # stream the 4-bit weights instead of dequantising them to memory
+        g = nvfp4_matvec(take_experts(e.gate, idx), x[:, None, :])  # [N, k, I]
+        u = nvfp4_matvec(take_experts(e.up, idx), x[:, None, :])
+        a = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
+        y = nvfp4_matvec(take_experts(e.down, idx), a).astype(dt)  # [N, k, H]
+        return jnp.einsum("nkh,nk->nh", y.astype(f32), w.astype(f32))
     gate = as_dense(take_experts(e.gate, idx), dt)  # [N, k, I, H]
     up = as_dense(take_experts(e.up, idx), dt)
     down = as_dense(take_experts(e.down, idx), dt)  # [N, k, H, I]
@@ -128,10 +156,21 @@ def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, ti
     per tile it fills. (XLA lowers lax.ragged_dot on the GPU to a dense matmul over all experts' weights, which
     does not fit at full size for long inputs; this path does.)
     """
+    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
+    out, _ = tiled_with_fetch(lambda carry, ex, n_live: (carry, take_experts(e, ex)), None, x, idx, w,
+                              num_experts, tile, tiles_per_step)
+    return out
+
+
+def tiled_with_fetch(fetch, carry, x: Array, idx: Array, w: Array, num_experts: int, tile: int = 64,
+                     tiles_per_step: int = 32):
+    """experts_tiled with the weights of each step's tiles supplied by `fetch(carry, experts [S], n_live) ->
+    (carry, Experts with leading axis S)`; n_live = how many of the S tiles hold pairs (a prefix). The engine's
+    host-resident experts use this to stage only the experts a prefill chunk hits, S at a time.
+    Returns (output [N, H] float32, final carry)."""
     dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
     n, k = idx.shape
     a = n * k
-    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]
@@ -146,40 +185,47 @@ def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, ti
     steps = -(-max_tiles // tiles_per_step)
     n_tiles = steps * tiles_per_step
     tile_expert = jnp.clip(jnp.searchsorted(tile_start, jnp.arange(n_tiles), side="right") - 1, 0, num_experts - 1)
+    live = jnp.clip(jnp.sum(tiles_of) - jnp.arange(steps) * tiles_per_step, 0, tiles_per_step).astype(jnp.int32)
     xs = jnp.zeros((n_tiles * tile, x.shape[-1]), dt).at[row].set(x[token])
 
-    def step(xt, ex):  # xt [S, tile, H] rows of S tiles, ex [S] their experts
-        gate = as_dense(take_experts(e.gate, ex), dt)  # [S, I, H]
-        up = as_dense(take_experts(e.up, ex), dt)
-        down = as_dense(take_experts(e.down, ex), dt)  # [S, H, I]
+    def step(carry, args):  # xt [S, tile, H] rows of S tiles, ex [S] their experts
+        xt, ex, n_live = args
+        carry, we = fetch(carry, ex, n_live)
+        gate, up, down = (as_dense(m, dt) for m in (we.gate, we.up, we.down))  # [S, I, H], [S, H, I]
         g = jnp.einsum("sth,sih->sti", xt, gate, precision=prec, preferred_element_type=f32)
         u = jnp.einsum("sth,sih->sti", xt, up, precision=prec, preferred_element_type=f32)
         act = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
-        return jnp.einsum("sti,shi->sth", act, down, precision=prec, preferred_element_type=f32).astype(dt)
+        y = jnp.einsum("sti,shi->sth", act, down, precision=prec, preferred_element_type=f32).astype(dt)
+        return carry, y
 
-    ys = lax.map(lambda args: step(*args), (xs.reshape(steps, tiles_per_step, tile, -1),
-                                            tile_expert.reshape(steps, tiles_per_step)))
+    carry, ys = lax.scan(step, carry, (xs.reshape(steps, tiles_per_step, tile, -1),
+                                       tile_expert.reshape(steps, tiles_per_step), live))
     ys = ys.reshape(n_tiles * tile, -1)[row].astype(f32) * w.reshape(-1)[order].astype(f32)[:, None]
-    return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys)
+    return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys), carry
 
 
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled}
 
 
-def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto", router_stats: list | None = None) -> Array:
+def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto", router_stats: list | None = None,
+        routed=None) -> Array:
     """MoE block over tokens x [N, H] -> [N, H] in x's dtype. impl: "gather", "tiled", "ragged" or "auto"
     (gather while the tokens' expert uses are fewer than the experts, tiled beyond). With a list as
-    `router_stats`, (router probabilities [N, E], chosen ids [N, k]) is appended to it (for training losses)."""
+    `router_stats`, (router probabilities [N, E], chosen ids [N, k]) is appended to it (for training losses).
+    `routed(x, idx, w) -> [N, H] float32` replaces the routed-expert computation (the engine's expert cache)."""
     probs = router_probs(p, x)
     w, idx = route(p, cfg, x, probs)
     if router_stats is not None:
         router_stats.append((probs, idx))
-    if impl == "auto":
-        impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "tiled"
-    if impl not in EXPERT_PATHS:
-        raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
-    routed = EXPERT_PATHS[impl](p.experts, x, idx, w)
+    if routed is None:
+        if impl == "auto":
+            impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "tiled"
+        if impl not in EXPERT_PATHS:
+            raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
+        routed_out = EXPERT_PATHS[impl](p.experts, x, idx, w)
+    else:
+        routed_out = routed(x, idx, w)
     shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
                     * linear(x, p.shared_up_proj), p.shared_down_proj)
     shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
-    return (routed + shared).astype(x.dtype)
+    return (routed_out + shared).astype(x.dtype)

@@ -114,12 +114,15 @@ def _expert_stack(r: _Reader, p: str, proj: str, n: int) -> np.ndarray | NVFP4:
     return np.stack([first] + [r.raw(f"{nm}.weight") for nm in names[1:]]).astype(r.dtype)
 
 
-def _moe(r: _Reader, cfg: ModelConfig, p: str) -> MoE:
+def _moe(r: _Reader, cfg: ModelConfig, p: str, routed: bool = True) -> MoE:
     n = cfg.num_experts
+    experts = None
+    if routed:
+        experts = Experts(gate=_expert_stack(r, p, "gate_proj", n), up=_expert_stack(r, p, "up_proj", n),
+                          down=_expert_stack(r, p, "down_proj", n))
     return MoE(
         router=r(f"{p}.gate.weight"),
-        experts=Experts(gate=_expert_stack(r, p, "gate_proj", n), up=_expert_stack(r, p, "up_proj", n),
-                        down=_expert_stack(r, p, "down_proj", n)),
+        experts=experts,
         shared_gate_proj=r(f"{p}.shared_expert.gate_proj.weight"),
         shared_up_proj=r(f"{p}.shared_expert.up_proj.weight"),
         shared_down_proj=r(f"{p}.shared_expert.down_proj.weight"),
@@ -139,25 +142,27 @@ def _ple(r: _Reader, cfg: ModelConfig, p: str, table) -> ple_mod.PLE:
 
 
 def _decoder_layer(r: _Reader, cfg: ModelConfig, p: str, attention: bool, ple_table=None,
-                   has_ple: bool = False) -> DecoderLayer:
+                   has_ple: bool = False, routed: bool = True) -> DecoderLayer:
     mixer = _attention(r, cfg, f"{p}.self_attn") if attention else _gdn(r, f"{p}.linear_attn")
     return DecoderLayer(
         attn_hc=_hyper_connection(r, f"{p}.attn_hyper_connection", inject=True),
         mixer=mixer,
         mlp_hc=_hyper_connection(r, f"{p}.mlp_hyper_connection", inject=True),
-        moe=_moe(r, cfg, f"{p}.mlp"),
+        moe=_moe(r, cfg, f"{p}.mlp", routed),
         ple=_ple(r, cfg, f"{p}.ple", ple_table) if has_ple else None,
     )
 
 
 def load_params(source, cfg: ModelConfig, dtype="float32", *, ple_table=None, device=None,
-                with_mtp: bool = True, layers: Iterable[int] | None = None,
+                with_mtp: bool = True, layers: Iterable[int] | None = None, routed_experts: bool = True,
                 on_read: Callable[[str], None] | None = None) -> Params:
     """Build Params from a tensor source, putting each layer on `device` (default: JAX's default device) as
     soon as it is read.
 
     ple_table: (rows, scale) for a device-resident n-gram table (rows [N, d] as stored: fp8/bf16/f32; scale the
     global FP8 scale or None), or None to leave the table on the host (Engine gathers rows per step).
+    routed_experts=False leaves the decoder layers' routed experts out (experts=None): the engine keeps them in
+    a host pool instead. The MTP layer's experts are always loaded.
     """
     r = _Reader(source, dtype, on_read)
     put = (lambda tree: jax.device_put(tree, device))
@@ -172,7 +177,7 @@ def load_params(source, cfg: ModelConfig, dtype="float32", *, ple_table=None, de
     built = []
     for i in layer_ids:
         built.append(put(_decoder_layer(r, cfg, f"layers.{i}", cfg.layer_types[i] == FULL_ATTENTION,
-                                        ple_table, has_ple=i in cfg.ple_layers)))
+                                        ple_table, has_ple=i in cfg.ple_layers, routed=routed_experts)))
     mtp = None
     if with_mtp and cfg.mtp_num_hidden_layers and source.has("mtp.fc_hidden.weight"):
         mtp = put(MTP(

@@ -1,0 +1,290 @@
+"""The user-facing model object: load a checkpoint, generate, run full-sequence logits (and MTP drafts).
+
+    engine = jaxflash.load("path/to/checkpoint", dtype="float32")
+    outs = engine.generate([[1, 2, 3]], max_new_tokens=20)   # a list of generated token-id lists
+    logits = engine.logits([1, 2, 3])               # [T, vocab] float32
+    many = engine.logits([[1, 2, 3], [4, 5]])       # one array per sequence
+
+Ragged batches are right-padded to a shared bucket length and run as one batch: every layer is causal, so the
+padding never changes the logits of real tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import ffi
+from ..checkpoint import Checkpoint
+from ..config import ModelConfig
+from ..model import mtp as mtp_mod
+from ..model import ple as ple_mod
+from ..model import transformer
+from ..model.weights import load_params
+from . import planner as planner_mod
+from . import step as step_mod
+from .generate import Generator
+
+log = logging.getLogger("jaxflash")
+
+# The model bundled with the package: what every tool uses when given no --model.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+
+# A table up to this size goes to the device; a larger one (the real 48 GiB one) stays memory-mapped on the host.
+DEVICE_TABLE_MAX_BYTES = 1 << 30
+
+
+def _bucket(n: int) -> int:
+    """Sequence lengths are padded to a few sizes so that ragged inputs reuse compiled programs."""
+    return max(16, 1 << (n - 1).bit_length()) if n <= 1024 else -(-n // 1024) * 1024
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
+                 checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
+                 host_experts: step_mod.HostExperts | None = None, ngram=None):
+        """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
+        from the checkpoint on first use."""
+        self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
+        self.plan, self.host_experts, self.ngram = plan, host_experts, ngram
+        self._generator: Generator | None = None
+        self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
+        self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
+        self._mtp = jax.jit(lambda p, h, nxt: mtp_mod.mtp_forward(p, config, h, nxt))
+
+    @property
+    def dtype(self):
+        return self.params.dtype
+
+    # ----- inputs -------------------------------------------------------------------------------------------
+    def _batch(self, tokens) -> tuple[np.ndarray, list[int], bool]:
+        """(padded [B, L] int32 batch, lengths, whether a single sequence was given)."""
+        if isinstance(tokens, np.ndarray | jax.Array) and np.ndim(tokens) == 1 or (
+                isinstance(tokens, list | tuple) and tokens and np.isscalar(tokens[0])):
+            seqs, single = [np.asarray(tokens)], True
+        else:
+            seqs, single = [np.asarray(s) for s in tokens], False
+        if not seqs or any(s.ndim != 1 or s.size == 0 for s in seqs):
+            raise ValueError("tokens must be a non-empty sequence of token ids, or a list of such sequences")
+        for s in seqs:
+            if s.dtype.kind not in "iu":
+                raise ValueError(f"token ids must be integers, got dtype {s.dtype}")
+            if s.min() < 0 or s.max() >= self.config.vocab_size:
+                raise ValueError(f"token id out of range [0, {self.config.vocab_size}): "
+                                 f"min {s.min()}, max {s.max()}")
+        lengths = [len(s) for s in seqs]
+        batch = np.zeros((len(seqs), _bucket(max(lengths))), np.int32)
+        for i, s in enumerate(seqs):
+            batch[i, : len(s)] = s
+        return batch, lengths, single
+
+    def ple_rows(self, batch: np.ndarray):
+        """Host-side n-gram rows of a [B, T] batch when the table lives on the host; None when it is on the
+        device (the model gathers the rows itself)."""
+        if self.host_table is None:
+            return None
+        ids, _ = ple_mod.ngram_ids(self.config, batch)
+        return jnp.asarray(self.host_table.gather(ids, np.float32))
+
+    def _need_device_experts(self, what: str) -> None:
+        if self.host_experts is not None:
+            raise ValueError(f"{what} runs whole sequences with every expert on the device; this engine keeps its "
+                             "experts on the host (load with expert_residency='device', or use generate)")
+
+    # ----- outputs ------------------------------------------------------------------------------------------
+    def logits(self, tokens):
+        """float32 logits [T, vocab] for one sequence, or a list of them for a list of sequences."""
+        self._need_device_experts("logits")
+        batch, lengths, single = self._batch(tokens)
+        out = self._logits(self.params, jnp.asarray(batch), self.ple_rows(batch))
+        out = np.asarray(out)
+        res = [out[i, :n] for i, n in enumerate(lengths)]
+        return res[0] if single else res
+
+    def hidden(self, tokens):
+        """The pre-mixer multi-stream state [T, W] float32 (per sequence), what the MTP head reads."""
+        self._need_device_experts("hidden")
+        batch, lengths, single = self._batch(tokens)
+        out = np.asarray(self._hidden(self.params, jnp.asarray(batch), self.ple_rows(batch)))
+        res = [out[i, :n] for i, n in enumerate(lengths)]
+        return res[0] if single else res
+
+    def mtp_logits(self, tokens):
+        """MTP draft logits [T-1, vocab] of one sequence: row t predicts token t+2 from the main model's state at
+        t and token t+1 (teacher-forced over the sequence)."""
+        if self.params.mtp is None:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
+        self._need_device_experts("mtp_logits")
+        batch, lengths, single = self._batch(tokens)
+        if min(lengths) < 2:
+            raise ValueError("MTP needs sequences of at least 2 tokens")
+        h = self._hidden(self.params, jnp.asarray(batch), self.ple_rows(batch))
+        nxt = jnp.asarray(np.concatenate([batch[:, 1:], batch[:, -1:]], axis=1))
+        out, _ = self._mtp(self.params, h, nxt)
+        out = np.asarray(out)
+        res = [out[i, : n - 1] for i, n in enumerate(lengths)]
+        return res[0] if single else res
+
+
+    # ----- generation -----------------------------------------------------------------------------------------
+    @property
+    def generator(self) -> Generator:
+        """The scheduler and its state (KV pages, expert cache), allocated on first use."""
+        if self._generator is None:
+            self._generator = Generator(self.params, self.step_context(), self.plan, self.dtype)
+        return self._generator
+
+    def step_context(self, skip: frozenset = frozenset()) -> step_mod.StepContext:
+        """What the compiled steps close over: config, host experts, the n-gram table, KV geometry."""
+        if self.plan is None:
+            raise ValueError("generation needs a memory plan: make the engine with jaxflash.load")
+        cfg = self.config
+        table = hash_ = scale = None
+        if cfg.ple_layer_ids:
+            if self.ngram is None:
+                if self.checkpoint is None:
+                    raise ValueError("generation needs the n-gram table: pass ngram=(table, scale) or a checkpoint")
+                table = ffi.NgramTable.from_checkpoint(self.checkpoint, cfg,
+                                                       max_tokens=max(self.plan.prefill_chunk, self.plan.max_batch))
+                self.ngram = (table, self.checkpoint.read_ngram_table().scale)
+            table, scale = self.ngram
+            hash_ = ffi.NgramHash.from_config(cfg)
+        return step_mod.StepContext(cfg, self.host_experts, table, hash_, None if scale is None else float(scale),
+                                    self.plan.max_seq_len // self.plan.page_size, self.plan.page_size, skip)
+
+    def generate_stream(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                        seed=None, stop=None, ignore_eos: bool = False):
+        """Like generate, but yields (prompt index, token id) as tokens are produced, and (prompt index, None)
+        when a prompt's generation ends."""
+        gen = self.generator
+        reqs = gen.make_requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                                 eos_ids=self.config.eos_token_ids or (self.config.eos_token_id,),
+                                 ignore_eos=ignore_eos)
+        for req, tok in gen.run(reqs):
+            yield req.index, tok
+
+    def generate(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                 stop=None, ignore_eos: bool = False) -> list[list[int]]:
+        """Generate for a list of prompts (token-id lists); returns the generated token ids of each.
+
+        Sampling settings are one value for all prompts or a list with one per prompt: temperature (0 = greedy),
+        top_p, top_k (0 = off), min_p, seed (None = random; a fixed seed gives the same tokens whatever else is
+        in the batch). Generation stops at max_new_tokens, at the end of the context, or at a stop token:
+        the model's EOS tokens (unless ignore_eos) and `stop` (token ids; a list per prompt allowed). Stop
+        tokens are not included in the output."""
+        out = [[] for _ in prompts] if isinstance(prompts, (list, tuple)) else None
+        for i, tok in self.generate_stream(prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                                           top_k=top_k, min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos):
+            if tok is not None:
+                out[i].append(tok)
+        return out
+
+
+def _weights_bar(ckpt: Checkpoint, show: bool | None, skip_experts: bool):
+    """A byte-counting progress bar over the weights load_params reads (the n-gram table is read separately)."""
+    from tqdm.auto import tqdm
+
+    total = sum(ckpt.info(n).nbytes for n in ckpt.expected()
+                if "ngram_embedding" not in n and not (skip_experts and _ROUTED.match(n)))
+    return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                disable=None if show is None else not show, dynamic_ncols=True)
+
+
+_ROUTED = re.compile(r"^layers\.\d+\.mlp\.experts\.")  # a decoder layer's routed experts (not the MTP layer's)
+
+
+def expert_layout(ckpt: Checkpoint, cfg: ModelConfig) -> ffi.ExpertLayout | None:
+    """The host pool's record layout for this checkpoint's routed experts, or None if it has no such layout."""
+    first = [n for n in ckpt.expected() if n.startswith("layers.0.mlp.experts.")]
+    if any(n.endswith("weight_scale_2") for n in first):
+        return ffi.ExpertLayout.from_config(cfg, "nvfp4")
+    if first and all(ckpt.info(n).dtype == "BF16" for n in first):
+        return ffi.ExpertLayout.from_config(cfg, "bf16")
+    return None
+
+
+def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_device: int) -> planner_mod.ModelBytes:
+    """Device bytes of the dense weights and of the routed experts once loaded for `dtype`."""
+    item = jnp.dtype(dtype).itemsize
+    dense = experts = 0
+    for name in ckpt.expected():
+        if "ngram_embedding" in name:
+            continue
+        info = ckpt.info(name)
+        numel = int(np.prod(info.shape, dtype=np.int64))
+        size = info.nbytes if info.dtype in ("U8", "F8_E4M3") or name.endswith("weight_scale_2") else numel * item
+        if _ROUTED.match(name):
+            experts += size
+        else:
+            dense += size
+    return planner_mod.ModelBytes(dense, experts, layout.record_bytes if layout else 0, table_on_device)
+
+
+def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
+         expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
+         max_seq_len: int | None = None, prefill_chunk: int | None = None, device=None,
+         progress: bool | None = None) -> Engine:
+    """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
+    "bfloat16", or "float64" with jax_enable_x64).
+
+    expert_residency: "device" keeps every routed expert in VRAM; "host" keeps them in a pinned host pool with
+    a VRAM cache of `cache_slots` experts per layer; "auto" picks "device" when everything fits the budget.
+    vram_budget caps the device memory the engine plans for (e.g. "32GiB" to act as a 32 GB card).
+    max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
+    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU).
+    ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
+    memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
+    Weights go to the device layer by layer, so host memory holds at most one layer at a time.
+    """
+    if dtype not in ("float32", "bfloat16", "float64"):
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float64', got {dtype!r}")
+    if dtype == "float64" and not jax.config.read("jax_enable_x64"):
+        raise ValueError("dtype='float64' needs jax.config.update('jax_enable_x64', True) first")
+    if ple_table not in ("auto", "device", "host"):
+        raise ValueError(f"ple_table must be 'auto', 'device' or 'host', got {ple_table!r}")
+    if cache_slots is not None and expert_residency == "device":
+        raise ValueError("cache_slots sizes the host-residency expert cache; it contradicts expert_residency='device'")
+    budget = planner_mod.parse_bytes(vram_budget)
+    ckpt = Checkpoint.open(DEFAULT_MODEL if path is None else path)
+    cfg = ckpt.config
+    table = ckpt.read_ngram_table() if cfg.ple_layer_ids else None
+    on_device = None
+    if table is not None:
+        nbytes = table.rows * table.dim * table.dtype.itemsize
+        if ple_table == "device" or (ple_table == "auto" and nbytes <= DEVICE_TABLE_MAX_BYTES):
+            on_device = (table.gather_raw(np.arange(table.rows)), table.scale)
+            table = None
+
+    dev = device or jax.devices()[0]
+    cpu = dev.platform == "cpu"
+    layout = expert_layout(ckpt, cfg)
+    mb = model_bytes(ckpt, cfg, dtype, layout, 0 if on_device is None else on_device[0].nbytes)
+    free, note = planner_mod.device_free_bytes(dev)
+    plan = planner_mod.plan(
+        cfg, mb, residency=expert_residency, budget=budget, free=free, free_note=note, max_batch=max_batch,
+        max_seq_len=max_seq_len or (min(cfg.max_position_embeddings, 4096) if cpu else None),
+        cache_slots=cache_slots, prefill_chunk=prefill_chunk or (64 if cpu else 256),
+        dtype_bytes=jnp.dtype(dtype).itemsize)
+    host = plan.residency == "host"
+    if host and layout is None:
+        raise planner_mod.PlanError("host-resident experts need NVFP4 or BF16 routed experts in the checkpoint")
+    log.info("plan: %s", plan.summary())
+
+    with _weights_bar(ckpt, progress, skip_experts=host) as bar:
+        params = load_params(ckpt, cfg, dtype, ple_table=on_device, device=device, routed_experts=not host,
+                             on_read=lambda name: bar.update(ckpt.info(name).nbytes))
+        bar.update(bar.total - bar.n)  # what was not read: input_scale, the PLE hash buffers
+    host_experts = None
+    if host:
+        pool = ffi.ExpertPool.from_checkpoint(ckpt, layout, range(cfg.num_hidden_layers), cfg.num_experts)
+        log.info("expert pool: %.2f GiB on the host (%s)", pool.nbytes / 2**30,
+                 "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
+        host_experts = step_mod.HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
+    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts)

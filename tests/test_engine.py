@@ -1,0 +1,241 @@
+"""The engine (prefill chunks, decode steps, paged KV, expert cache, sampling) against the reference and against
+jaxflash's own full-sequence forward, on tiny models.
+
+Reference model: transformers' qwen4_exp, float64, 8 layers (6 GDN + 2 attention with QSA budget 8 tokens),
+PLE, 8 experts top-2. Prompts hold EOS tokens (PLE n-gram segments) and generation runs far past the QSA budget.
+Tolerances: decode-step logits vs the full forward, both float32: 1e-4 of the largest logit (measured 1e-6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jaxflash
+from jaxflash import synthetic
+from jaxflash.engine import PlanError, planner
+from jaxflash.engine.sampling import SamplingParams, SamplingRows, sample
+
+from hf_reference import build_hf_model, hf_logits, near_ties, save_checkpoint, tiny_hf_config
+
+TOL = 1e-4
+SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+
+
+def rel_err(out, ref) -> float:
+    return float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def prompt(rng, n, vocab, eos, eos_at=()):
+    p = rng.integers(0, vocab, n)
+    p[p == eos] = (eos + 1) % vocab
+    p[list(eos_at)] = eos
+    return [int(x) for x in p]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    hcfg = tiny_hf_config(num_hidden_layers=8, indexer_n_heads=8)
+    model = build_hf_model(hcfg, seed=0)
+    path = tmp_path_factory.mktemp("engine_f32")
+    save_checkpoint(model, path)
+    return hcfg, model, path
+
+
+@pytest.fixture(scope="module")
+def engine(ref):
+    return jaxflash.load(ref[2], **SMALL)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tmp_path_factory):
+    """A synthetic tiny model with NVFP4 experts (16 experts, top-4): the layout the host pool holds."""
+    out = tmp_path_factory.mktemp("nvfp4")
+    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(out), progress=False)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def on_device(nvfp4_dir):
+    return jaxflash.load(nvfp4_dir, expert_residency="device", **SMALL)
+
+
+def test_greedy_equals_reference_generate(ref, engine):
+    hcfg, model, _ = ref
+    rng = np.random.default_rng(0)
+    p = prompt(rng, 21, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[7])
+    n = 40  # prompt + generation reach 61 tokens: far past the QSA budget of 8
+    theirs = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):]
+    theirs = [int(x) for x in theirs]
+    full = p + theirs
+    assert near_ties(model, full) == 0
+    top2 = np.sort(hf_logits(model, full)[len(p) - 1 : -1], axis=-1)[:, -2:]
+    assert np.min(top2[:, 1] - top2[:, 0]) > 1e-3  # no greedy pick within float32 noise of flipping
+    ours = engine.generate([p], max_new_tokens=n, ignore_eos=True)[0]
+    assert ours == theirs
+
+
+def test_decode_step_logits_equal_full_forward(ref, engine):
+    hcfg, model, _ = ref
+    rng = np.random.default_rng(1)
+    p = prompt(rng, 37, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[3, 20])  # 37: 2 full chunks + 5
+    toks, logits = engine.generator.step_logits(p, steps=30)
+    seq = p + toks[:-1]
+    full = engine.logits(seq)[len(p) - 1 :]
+    assert rel_err(logits, full) < TOL
+    assert rel_err(logits, hf_logits(model, seq)[len(p) - 1 :]) < TOL
+
+
+def test_ragged_batch_equals_alone(ref, engine):
+    hcfg = ref[0]
+    rng = np.random.default_rng(2)
+    prompts = [prompt(rng, n, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[1]) for n in (5, 33, 17, 2, 9)]
+    # 5 prompts on 4 slots: the fifth waits for a free slot; seeds make sampled rows reproducible
+    kw = dict(max_new_tokens=[12, 7, 20, 15, 3], temperature=[0.0, 0.9, 1.3, 0.0, 0.7], top_k=[0, 0, 20, 0, 5],
+              top_p=[1.0, 0.9, 1.0, 1.0, 1.0], seed=[1, 2, 3, 4, 5], ignore_eos=True)
+    together = engine.generate(prompts, **kw)
+    for i, p in enumerate(prompts):
+        alone = engine.generate([p], **{k: (v[i] if isinstance(v, list) else v) for k, v in kw.items()})[0]
+        assert together[i] == alone, i
+    assert [len(o) for o in together] == kw["max_new_tokens"]
+
+
+def test_stop_tokens_and_eos(ref, engine):
+    hcfg = ref[0]
+    rng = np.random.default_rng(3)
+    p = prompt(rng, 10, hcfg.vocab_size, hcfg.eos_token_id)
+    free = engine.generate([p], max_new_tokens=25, ignore_eos=True)[0]
+    stop_at = free[6]
+    first = free.index(stop_at)
+    got = engine.generate([p], max_new_tokens=25, stop=[stop_at], ignore_eos=True)[0]
+    assert got == free[:first]  # the stop token ends generation and is not returned
+    # EOS stops by default
+    eos = hcfg.eos_token_id
+    out = engine.generate([p], max_new_tokens=25)[0]
+    assert eos not in out and (len(out) == 25 or free[len(out)] == eos)
+
+
+def test_compile_count_constant_over_long_generation(ref, engine):
+    rng = np.random.default_rng(4)
+    p = prompt(rng, 20, ref[0].vocab_size, ref[0].eos_token_id)
+    engine.generate([p], max_new_tokens=5, ignore_eos=True)
+    before = engine.generator.compile_counts()
+    engine.generate([p, p[:7]], max_new_tokens=100, ignore_eos=True, temperature=0.8, seed=1)
+    after = engine.generator.compile_counts()
+    assert before == after and after["_decode"] == 1 and after["_prefill"] == 1
+
+
+def test_bad_requests_are_refused(engine):
+    for bad in ([], [[]], [[1, 2, -1]], [[1, 2, 10_000]], [["a"]], "text"):
+        with pytest.raises(ValueError):
+            engine.generate(bad, max_new_tokens=3)
+    with pytest.raises(ValueError, match="context holds"):
+        engine.generate([[1] * 200], max_new_tokens=3)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1, 2]], max_new_tokens=3, top_p=0.0)
+    with pytest.raises(ValueError, match="entries"):
+        engine.generate([[1, 2]], max_new_tokens=3, seed=[1, 2])
+    assert engine.generate([[1, 2]], max_new_tokens=2, ignore_eos=True)[0]  # still serving
+
+
+def test_host_residency_equals_device(nvfp4_dir, on_device):
+    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=8, **{**SMALL, "max_batch": 2})
+    assert host.plan.residency == "host" and host.params.layers[0].moe.experts is None
+    cfg = host.config
+    rng = np.random.default_rng(5)
+    prompts = [prompt(rng, n, cfg.vocab_size, cfg.eos_token_id, eos_at=[2]) for n in (40, 11)]
+    kw = dict(max_new_tokens=30, ignore_eos=True, temperature=[0.0, 1.0], seed=7)
+    assert host.generate(prompts, **kw) == on_device.generate(prompts, **kw)
+    st = host.generator.stats
+    assert st.expert_lookups > 0 and 0 < st.expert_misses < st.expert_lookups
+    _, a = host.generator.step_logits(prompts[0], 10)
+    _, b = on_device.generator.step_logits(prompts[0], 10)
+    assert rel_err(a, b) < TOL
+    with pytest.raises(ValueError, match="on the host"):
+        host.logits([1, 2, 3])
+
+
+def test_constant_eviction(nvfp4_dir, on_device):
+    """4 slots per layer for 16 experts routed 4 per token: nearly every step evicts."""
+    tiny = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=4, **{**SMALL, "max_batch": 1})
+    cfg = tiny.config
+    p = prompt(np.random.default_rng(6), 50, cfg.vocab_size, cfg.eos_token_id, eos_at=[10])
+    got = tiny.generate([p], max_new_tokens=40, ignore_eos=True)[0]
+    assert got == on_device.generate([p], max_new_tokens=40, ignore_eos=True)[0]
+    st = tiny.generator.stats
+    assert st.expert_misses > 0.5 * st.expert_lookups  # the cache really is thrashing
+
+
+def test_sampling_rules():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000, np.float32))
+    pos = np.arange(4000)
+
+    def draw(**kw):
+        rows = SamplingRows(*(np.full(4000, v, dt) for v, dt in (
+            (kw.get("t", 1.0), np.float32), (kw.get("k", 0), np.int32), (kw.get("p", 1.0), np.float32),
+            (kw.get("m", 0.0), np.float32), (kw.get("seed", 0), np.uint32))))
+        return np.bincount(np.asarray(sample(logits, rows, pos)), minlength=4) / 4000
+
+    assert np.abs(draw() - [0.5, 0.3, 0.15, 0.05]).max() < 0.03  # plain sampling follows the softmax
+    assert np.abs(draw(k=2) - [0.625, 0.375, 0, 0]).max() < 0.03
+    assert np.abs(draw(p=0.7) - [0.625, 0.375, 0, 0]).max() < 0.03  # 0.5 < 0.7: the second token is needed
+    assert np.abs(draw(m=0.25) - [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]).max() < 0.03
+    assert draw(t=0.0)[0] == 1.0
+    assert draw(seed=1).tolist() != draw(seed=2).tolist()
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+
+
+def test_planner_decisions():
+    cfg = jaxflash.presets.full()
+    GiB = 1 << 30
+    mb = planner.ModelBytes(dense=17 * GiB, experts=60 * GiB, record_bytes=2_765_056)
+    big = planner.plan(cfg, mb, budget=None, free=130 * GiB, free_note="test", max_batch=8)
+    assert big.residency == "device" and big.max_seq_len == 32768
+    small = planner.plan(cfg, mb, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=1)
+    assert small.residency == "host" and small.cache_slots >= 30
+    assert sum(small.reserved.values()) <= 32 * GiB
+    assert any("expert cache" in n for n in small.notes)
+    with pytest.raises(PlanError, match="fewer than"):
+        planner.plan(cfg, mb, budget=20 * GiB, free=130 * GiB, free_note="test", max_batch=8)
+    with pytest.raises(PlanError, match="cache_slots"):
+        planner.plan(cfg, mb, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=8, cache_slots=10)
+    with pytest.raises(PlanError, match="residency='device'"):
+        planner.plan(cfg, mb, residency="device", budget=32 * GiB, free=130 * GiB, free_note="test")
+    assert planner.parse_bytes("32GiB") == 32 * GiB and planner.parse_bytes("1.5GB") == 1_500_000_000
+    with pytest.raises(ValueError):
+        planner.parse_bytes("lots")
+
+
+def test_generate_cli_on_bundled_model():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = os.path.join(root, "scripts", "generate.py")
+    r = subprocess.run([sys.executable, cli, "--prompt", "And God said", "-n", "8", "--ignore-eos"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "8 generated" in r.stderr
+    r = subprocess.run([sys.executable, cli, "--model", "/nonexistent", "--prompt", "x"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "error" in r.stderr
+
+
+def test_bundled_model_is_the_trained_release_layout():
+    import json
+    import os
+
+    from jaxflash.checkpoint import Checkpoint
+
+    d = jaxflash.DEFAULT_MODEL
+    assert os.path.getsize(d / "model.safetensors") <= 16 << 20
+    ckpt = Checkpoint.open(d)
+    names = ckpt.names()
+    assert any(n.endswith("experts.0.gate_proj.weight_scale_2") for n in names)  # NVFP4 experts
+    assert any(n.startswith("mtp.") for n in names)
+    assert ckpt.info(next(n for n in names if "ngram_embedding.shard_0" in n)).dtype == "F8_E4M3"
+    report = json.loads((d / "training_report.json").read_text())
+    assert report["heldout_ppl_nvfp4"]["ppl"] < 40  # trained: a random model scores ~2000
