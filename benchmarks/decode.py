@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                     gen.state, tok, _ = fn(p, gen.state)
                     np.asarray(tok)  # the per-step read-back, as in generation
                 times[v] = (time.perf_counter() - t0) / args.ablation_steps * 1e3
-            gen._finish(req, "length")
+            gen._free(req)
             parts = {"gather": times["full"] - times.get("no-gather", times["full"]),
                      "routed experts": times.get("no-gather", times["full"]) - times["no-routed"],
                      "attention/GDN": times["no-routed"] - times["no-routed-no-mixers"],

@@ -17,6 +17,7 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{directory}: no tokenizer.json (this checkpoint has no tokenizer)")
         self._tok = _Tok.from_file(str(path))
+        self.path = str(path)
         cfg_path = directory / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template: str | None = self.config.get("chat_template")

@@ -167,8 +167,12 @@ class Engine:
                                  top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                                  eos_ids=self.config.eos_token_ids or (self.config.eos_token_id,),
                                  ignore_eos=ignore_eos)
-        for req, tok in gen.run(reqs):
-            yield req.index, tok
+        if not gen.idle:
+            raise RuntimeError("the generator is serving other requests (a server owns it)")
+        for ev in gen.run(reqs):
+            if ev.request.finish == "error":
+                raise RuntimeError(f"generation failed: {ev.request.error}")
+            yield ev.request.index, ev.token
 
     def generate(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
                  stop=None, ignore_eos: bool = False) -> list[list[int]]:

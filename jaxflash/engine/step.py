@@ -109,11 +109,11 @@ def _stand_in_ids(idx: Array, valid: Array) -> Array:
 
 
 def forward_tokens(params: Params, ctx: StepContext, seqs: SeqState, kv: tuple, cache, staging, tokens: Array,
-                   n_new: Array, *, prefill: bool):
+                   n_new: Array, *, prefill: bool, all_logits: bool = False):
     """Run tokens [b, T] (the first n_new[i] of row i are real) through the model on top of each sequence's state.
 
-    Returns (seqs, kv, cache, staging, logits [b, V] of each row's last real token, info) where info holds the
-    FFI steps' status words (checked on the host after the step)."""
+    Returns (seqs, kv, cache, staging, logits [b, V] of each row's last real token (all_logits: [b, T, V] of
+    every token), info) where info holds the FFI steps' status words (checked on the host after the step)."""
     cfg = ctx.cfg
     b, t = tokens.shape
     positions = seqs.lengths[:, None] + jnp.arange(t)[None, :]
@@ -173,7 +173,7 @@ def forward_tokens(params: Params, ctx: StepContext, seqs: SeqState, kv: tuple, 
     last = jnp.maximum(n_new - 1, 0)
     h_last = h[jnp.arange(b), last]  # [b, W]
     hidden = jnp.where((n_new > 0)[:, None], h_last, seqs.hidden)
-    x, _ = hc.mix(params.mixer, h_last, s, eps)
+    x, _ = hc.mix(params.mixer, h if all_logits else h_last, s, eps)
     logits = lm_logits(params, x)
     if resolve_info:
         info["resolve"] = jnp.stack(resolve_info)
@@ -224,15 +224,39 @@ def _host_routed(ctx: StepContext, layer: int, cache: list, staging, valid_flat,
 
 
 # ----- the programs ----------------------------------------------------------------------------------------------
-def decode_step(params: Params, ctx: StepContext, st: DecodeState, want_logits: bool = False):
+TOP_LOGPROBS = 20  # alternatives returned per token when logprobs are asked for (OpenAI's maximum)
+
+
+def apply_mask(logits: Array, bits: Array) -> Array:
+    """Keep the tokens allowed by a packed bitmask bits [..., ceil(V/32)] int32 (token v: bit v%32 of word
+    v//32, llguidance's layout); the rest get -inf."""
+    v = jnp.arange(logits.shape[-1])
+    allowed = (jnp.take(bits, v // 32, axis=-1) >> (v % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+def logprobs_of(logits: Array, tokens: Array):
+    """(log-probability of tokens [...], top ids [..., 20], top log-probabilities [..., 20]) under the model's
+    own distribution (before temperature or masks)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    top_lp, top_id = lax.top_k(lp, TOP_LOGPROBS)
+    return chosen, top_id.astype(jnp.int32), top_lp
+
+
+def decode_step(params: Params, ctx: StepContext, st: DecodeState, want_logits: bool = False, masks=None,
+                want_logprobs: bool = False):
     """One token for every active slot: feeds last_token, samples the next. Returns (state, tokens [B], info
-    [, logits [B, V]])."""
+    [, logits [B, V]]). With masks [B, ceil(V/32)] (grammar constraints) sampling keeps to the allowed tokens;
+    want_logprobs returns (state, tokens, info, logprobs_of(...))."""
     n_new = st.active.astype(jnp.int32)
     seqs, kv, cache, staging, logits, info = forward_tokens(params, ctx, st.seqs, st.kv, st.cache, st.staging,
                                                             st.last_token[:, None], n_new, prefill=False)
-    tokens = sample(logits, st.sampling, seqs.lengths)
+    tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, seqs.lengths)
     last = jnp.where(st.active, tokens, st.last_token)
     out = DecodeState(seqs, kv, cache, staging, st.sampling, st.active, last), tokens, info
+    if want_logprobs:
+        out = out + (logprobs_of(logits, tokens),)
     return out + (logits,) if want_logits else out
 
 
@@ -245,18 +269,25 @@ def _set_row(tree, slot, row):
 
 
 def prefill_step(params: Params, ctx: StepContext, st: DecodeState, slot: Array, tokens: Array, n: Array,
-                 last: Array, want_logits: bool = False):
+                 last: Array, mask: Array, want_logits: bool = False, score: Array | None = None):
     """The next n (<= C) prompt tokens of slot `slot` (tokens [C], padded). With `last`, the slot samples its
-    first generated token and starts decoding. Returns (state, token, info[, logits [V]])."""
+    first generated token (within `mask`, a packed [ceil(V/32)] bitmask) and starts decoding.
+    Returns (state, token, info, logprobs_of(token)[, logits [V]]). With `score` [C] (the token after each
+    prompt token), returns instead (state, info, logprobs_of(score) per position): prompt scoring."""
     seq = _row(st.seqs, slot)
     seq, kv, cache, staging, logits, info = forward_tokens(params, ctx, seq, st.kv, st.cache, st.staging,
-                                                           tokens[None, :], n[None], prefill=True)
-    samp = _row(st.sampling, slot)
-    token = sample(logits, samp, seq.lengths)[0]
+                                                           tokens[None, :], n[None], prefill=True,
+                                                           all_logits=score is not None)
     seqs = _set_row(st.seqs, slot, seq)
+    if score is not None:
+        return DecodeState(seqs, kv, cache, staging, st.sampling, st.active, st.last_token), info, \
+            logprobs_of(logits[0], score)
+    samp = _row(st.sampling, slot)
+    token = sample(apply_mask(logits, mask[None]), samp, seq.lengths)[0]
     active = st.active.at[slot].set(last | st.active[slot])
     last_token = st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot]))
-    out = DecodeState(seqs, kv, cache, staging, st.sampling, active, last_token), token, info
+    out = DecodeState(seqs, kv, cache, staging, st.sampling, active, last_token), token, info, \
+        jax.tree.map(lambda a: a[0], logprobs_of(logits, token[None]))
     return out + (logits[0],) if want_logits else out
 
 

@@ -1,0 +1,13 @@
+"""The OpenAI- and Anthropic-compatible HTTP server (scripts/serve.py).
+
+    api.py       endpoints, validation, streaming formats, errors
+    worker.py    the engine thread: continuous batching, cancellation
+    parsing.py   tokens -> text, <think> reasoning, tool calls, stop strings (incremental)
+    grammar.py   response_format JSON constraints (llguidance token masks)
+    metrics.py   Prometheus metrics
+    protocol.py  request models and error objects
+"""
+
+from .api import create_app
+
+__all__ = ["create_app"]

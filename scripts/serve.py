@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Serve a model over HTTP, OpenAI- and Anthropic-compatible.
+
+    python scripts/serve.py                                   # the bundled model on 127.0.0.1:8000
+    python scripts/serve.py --model DIR --vram-budget 32GiB --port 8080 --api-key SECRET
+
+Endpoints: /v1/models /v1/chat/completions /v1/completions /v1/messages /v1/messages/count_tokens
+/health /metrics /tokenize /detokenize. The server listens at once and loads the model in the background
+(/health answers 503 until it is ready), then prints what the memory planner chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the bundled model)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("JAXFLASH_API_KEY"),
+                    help="require this key (Authorization: Bearer or x-api-key); default $JAXFLASH_API_KEY")
+    ap.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    ap.add_argument("--expert-residency", choices=["auto", "device", "host"], default="auto")
+    ap.add_argument("--vram-budget", default=None, help="cap on device memory, e.g. 32GiB")
+    ap.add_argument("--cache-slots", type=int, default=None, help="expert cache slots per layer (host residency)")
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (concurrency)")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="context length (default: what fits)")
+    ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
+    ap.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    import jaxflash
+    from jaxflash.server import create_app
+    from jaxflash.tokenizer import Tokenizer
+
+    model_dir = args.model or str(jaxflash.DEFAULT_MODEL)
+    if not os.path.isdir(model_dir):
+        print(f"error: {model_dir} is not a directory", file=sys.stderr)
+        return 2
+    name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+
+    def load():
+        import jax
+
+        dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+        tok = Tokenizer(model_dir)
+        engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
+                               vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=args.max_batch,
+                               max_seq_len=args.max_seq_len, progress=True)
+        plan = engine.plan
+        print(f"\njaxflash serving {name!r} ({dtype}) on http://{args.host}:{args.port}\n"
+              f"  experts: {plan.residency}" + (f", {plan.cache_slots} cache slots/layer" if plan.residency == "host"
+                                               else "") +
+              f"\n  concurrency: {plan.max_batch} sequences, context {plan.max_seq_len} tokens, "
+              f"KV cache {plan.kv_tokens} tokens\n  plan: {plan.summary()}", flush=True)
+        engine.generator  # allocate the state now, not on the first request
+        return engine, tok
+
+    app = create_app(load, model_name=name, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+                     max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
