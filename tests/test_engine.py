@@ -80,7 +80,7 @@ def test_decode_step_logits_equal_full_forward(ref, engine):
     hcfg, model, _ = ref
     rng = np.random.default_rng(1)
     p = prompt(rng, 37, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[3, 20])  # 37: 2 full chunks + 5
-    toks, logits = engine.generator.step_logits(p, steps=30)
+    toks, logits, _ = engine.generator.step_logits(p, steps=30)
     seq = p + toks[:-1]
     full = engine.logits(seq)[len(p) - 1 :]
     assert rel_err(logits, full) < TOL
@@ -149,8 +149,8 @@ def test_host_residency_equals_device(nvfp4_dir, on_device):
     assert host.generate(prompts, **kw) == on_device.generate(prompts, **kw)
     st = host.generator.stats
     assert st.expert_lookups > 0 and 0 < st.expert_misses < st.expert_lookups
-    _, a = host.generator.step_logits(prompts[0], 10)
-    _, b = on_device.generator.step_logits(prompts[0], 10)
+    _, a, _ = host.generator.step_logits(prompts[0], 10)
+    _, b, _ = on_device.generator.step_logits(prompts[0], 10)
     assert rel_err(a, b) < TOL
     with pytest.raises(ValueError, match="on the host"):
         host.logits([1, 2, 3])
@@ -239,3 +239,16 @@ def test_bundled_model_is_the_trained_release_layout():
     assert ckpt.info(next(n for n in names if "ngram_embedding.shard_0" in n)).dtype == "F8_E4M3"
     report = json.loads((d / "training_report.json").read_text())
     assert report["heldout_ppl_nvfp4"]["ppl"] < 40  # trained: a random model scores ~2000
+
+
+def test_mtp_drafts_equal_the_teacher_forced_head(on_device):
+    """The step runs the MTP head on (state at t, token t+1) for every token, keeping its own KV pages: each
+    draft equals Engine.mtp_logits over the whole sequence (which recomputes everything from position 0)."""
+    cfg = on_device.config
+    p = prompt(np.random.default_rng(7), 37, cfg.vocab_size, cfg.eos_token_id, eos_at=[12])  # 3 prefill chunks
+    toks, _, drafts = on_device.generator.step_logits(p, steps=12)
+    ref = on_device.mtp_logits(p + toks)  # row t: from the state at t and token t+1
+    assert rel_err(drafts, ref[len(p) - 1 :]) < TOL
+    on_device.generate([p], max_new_tokens=20, ignore_eos=True)
+    st = on_device.generator.stats
+    assert st.mtp_drafts >= 19 and 0 <= st.mtp_acceptance <= 1

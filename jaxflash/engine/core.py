@@ -48,11 +48,14 @@ def _bucket(n: int) -> int:
 class Engine:
     def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
-                 host_experts: step_mod.HostExperts | None = None, ngram=None):
+                 host_experts: step_mod.HostExperts | None = None, ngram=None, mtp: bool | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
-        from the checkpoint on first use."""
+        from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one)."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram = plan, host_experts, ngram
+        if mtp and params.mtp is None:
+            raise ValueError("mtp=True: this checkpoint has no MTP head")
+        self.mtp = params.mtp is not None if mtp is None else mtp
         self._generator: Generator | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
@@ -156,7 +159,8 @@ class Engine:
             table, scale = self.ngram
             hash_ = ffi.NgramHash.from_config(cfg)
         return step_mod.StepContext(cfg, self.host_experts, table, hash_, None if scale is None else float(scale),
-                                    self.plan.max_seq_len // self.plan.page_size, self.plan.page_size, skip)
+                                    self.plan.max_seq_len // self.plan.page_size, self.plan.page_size, self.mtp,
+                                    skip)
 
     def generate_stream(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                         seed=None, stop=None, ignore_eos: bool = False):
@@ -233,7 +237,7 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
 
 def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
-         max_seq_len: int | None = None, prefill_chunk: int | None = None, device=None,
+         max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
          progress: bool | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
@@ -242,7 +246,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     a VRAM cache of `cache_slots` experts per layer; "auto" picks "device" when everything fits the budget.
     vram_budget caps the device memory the engine plans for (e.g. "32GiB" to act as a 32 GB card).
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
-    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU).
+    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: run the MTP head in every
+    step, keeping its KV cache current and drafting the token after next (default: when the checkpoint has one;
+    `engine.generator.stats.mtp_acceptance` then reports how often the draft was right).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -291,4 +297,4 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         log.info("expert pool: %.2f GiB on the host (%s)", pool.nbytes / 2**30,
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
         host_experts = step_mod.HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
-    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts)
+    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp)

@@ -41,6 +41,7 @@ class Request:
     prompt_logprobs: list | None = None  # with echo_logprobs: [(logprob, [(id, logprob), ...]) per token]; [0]=None
     slot: int = -1
     pages: list[int] = field(default_factory=list)
+    draft: int | None = None  # the MTP head's guess of the next token
 
 
 class Event(NamedTuple):
@@ -58,10 +59,16 @@ class Stats:
     decode_steps: int = 0
     expert_lookups: int = 0  # distinct (layer, expert) uses per decode step, summed
     expert_misses: int = 0
+    mtp_drafts: int = 0  # MTP greedy drafts compared with the token then sampled
+    mtp_accepted: int = 0
 
     @property
     def hit_rate(self) -> float | None:
         return None if not self.expert_lookups else 1.0 - self.expert_misses / self.expert_lookups
+
+    @property
+    def mtp_acceptance(self) -> float | None:
+        return None if not self.mtp_drafts else self.mtp_accepted / self.mtp_drafts
 
 
 class Generator:
@@ -78,12 +85,12 @@ class Generator:
         self._decode_rich = jax.jit(lambda p, st, m: step_mod.decode_step(p, ctx, st, masks=m, want_logprobs=True),
                                     donate_argnums=1)
         self._decode_logits = jax.jit(lambda p, st: step_mod.decode_step(p, ctx, st, True), donate_argnums=1)
-        self._prefill = jax.jit(lambda p, st, slot, tok, n, last, m: step_mod.prefill_step(
-            p, ctx, st, slot, tok, n, last, m), donate_argnums=1)
-        self._prefill_logits = jax.jit(lambda p, st, slot, tok, n, last, m: step_mod.prefill_step(
-            p, ctx, st, slot, tok, n, last, m, True), donate_argnums=1)
-        self._prefill_score = jax.jit(lambda p, st, slot, tok, n, nxt: step_mod.prefill_step(
-            p, ctx, st, slot, tok, n, jnp.asarray(False), None, score=nxt), donate_argnums=1)
+        self._prefill = jax.jit(lambda p, st, slot, tok, n, last, m, f: step_mod.prefill_step(
+            p, ctx, st, slot, tok, n, last, m, f), donate_argnums=1)
+        self._prefill_logits = jax.jit(lambda p, st, slot, tok, n, last, m, f: step_mod.prefill_step(
+            p, ctx, st, slot, tok, n, last, m, f, True), donate_argnums=1)
+        self._prefill_score = jax.jit(lambda p, st, slot, tok, n, nxt, f: step_mod.prefill_step(
+            p, ctx, st, slot, tok, n, jnp.asarray(False), None, f, score=nxt), donate_argnums=1)
         self._admit = jax.jit(lambda st, slot, pages, samp: step_mod.admit(ctx, st, slot, pages, samp),
                               donate_argnums=0)
         self._release = jax.jit(step_mod.release, donate_argnums=0)
@@ -141,26 +148,28 @@ class Generator:
         req.constraint.mask(row)
         return row
 
-    def _chunks(self, tokens: Sequence[int]):
+    def _chunks(self, tokens: Sequence[int], after: int = 0):
+        """(start, piece, padded buffer, last?, the token after the piece) per prefill chunk."""
         c = self.chunk
         for start in range(0, len(tokens), c):
             piece = tokens[start : start + c]
             buf = np.zeros(c, np.int32)
             buf[: len(piece)] = piece
-            yield start, piece, buf, start + c >= len(tokens)
+            end = start + len(piece)
+            yield start, piece, buf, end >= len(tokens), jnp.int32(tokens[end] if end < len(tokens) else after)
 
     def _score_prompt(self, req: Request) -> None:
         """Prefill all prompt tokens but the last with per-position scoring: the log-probability of each next
         prompt token, and the top alternatives."""
         body = req.prompt[:-1]
         out: list = [None]
-        for start, piece, buf, _ in self._chunks(body):
+        for start, piece, buf, _, follow in self._chunks(body, after=req.prompt[-1]):
             nxt = np.zeros(self.chunk, np.int32)
             seg = req.prompt[start + 1 : start + 1 + len(piece)]
             nxt[: len(seg)] = seg
             self.state, info, (lp, top_id, top_lp) = self._prefill_score(
                 self.params, self.state, jnp.int32(req.slot), jnp.asarray(buf), jnp.int32(len(piece)),
-                jnp.asarray(nxt))
+                jnp.asarray(nxt), follow)
             self._check(info)
             lp, top_id, top_lp = np.asarray(lp), np.asarray(top_id), np.asarray(top_lp)
             n_top = req.echo_logprobs or 0
@@ -175,17 +184,26 @@ class Generator:
             self._score_prompt(req)
             tokens = req.prompt[-1:]
         mask = jnp.asarray(self._mask_row(req))
-        for _, piece, buf, last in self._chunks(tokens):
+        for _, piece, buf, last, follow in self._chunks(tokens):
             self.state, tok, info, lps = self._prefill(self.params, self.state, jnp.int32(req.slot),
                                                        jnp.asarray(buf), jnp.int32(len(piece)), jnp.asarray(last),
-                                                       mask)
+                                                       mask, follow)
         tok = int(tok)  # the read-back that ends the prefill
         self._check(info)
         self.stats.prompt_tokens += len(req.prompt)
+        if "draft" in info:
+            req.draft = int(info["draft"])
         return tok, lps
 
-    def _accept(self, req: Request, tok: int, lps) -> list[Event]:
-        """Record a sampled token; the events it makes (the token, and the end if the request is done)."""
+    def _accept(self, req: Request, tok: int, lps, draft: int | None = None) -> list[Event]:
+        """Record a sampled token; the events it makes (the token, and the end if the request is done).
+        draft: the MTP head's guess of the token after this one."""
+        if req.draft is not None and req.out:  # the guess made one step ago, against what was sampled now
+            self.stats.mtp_drafts += 1
+            self.stats.mtp_accepted += int(tok == req.draft)
+            req.draft = None
+        if draft is not None:
+            req.draft = draft
         if tok in req.stop:
             return [self._end(req, "stop")]
         req.out.append(tok)
@@ -268,9 +286,11 @@ class Generator:
             ri = np.asarray(info["resolve"])
             self.stats.expert_misses += int(ri[:, 0].sum())
             self.stats.expert_lookups += int(ri[:, 1].sum())
+        drafts = np.asarray(info["draft"]) if "draft" in info else None
         for req in list(self.running):
             row = tuple(a[req.slot] for a in lps) if rich else None
-            events.extend(self._accept(req, int(toks[req.slot]), row))
+            draft = None if drafts is None else int(drafts[req.slot])
+            events.extend(self._accept(req, int(toks[req.slot]), row, draft))
         return events
 
     def _recover(self) -> list[Event]:
@@ -291,33 +311,38 @@ class Generator:
         while not self.idle:
             yield from self.step()
 
-    def step_logits(self, prompt: Sequence[int], steps: int) -> tuple[list[int], np.ndarray]:
+    def step_logits(self, prompt: Sequence[int], steps: int):
         """Prefill `prompt`, then run `steps` greedy decode steps. Returns (tokens [steps + 1], logits
-        [steps + 1, V]): row 0 is what the prefill produced for the prompt's last token, row i the i-th decode
-        step's; tokens[i] is the greedy pick of row i. For tests and scoring."""
+        [steps + 1, V], MTP draft logits [steps + 1, V] or None): row 0 is what the prefill produced for the
+        prompt's last token, row i the i-th decode step's; tokens[i] is the greedy pick of row i, and draft row i
+        guesses the token after tokens[i]. For tests and scoring."""
         (req,) = self.make_requests([list(prompt)], max_new_tokens=steps + 1, temperature=0.0, top_p=1.0, top_k=0,
                                     min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
         if not self.idle or not self.free_slots or self.pages_for(req) > len(self.free_pages):
             raise RuntimeError("step_logits needs an idle generator")
         self._admit_one(req)
-        out, toks = [], []
+        out, toks, drafts = [], [], []
         try:
             mask = jnp.asarray(self._all_allowed)
-            for _, piece, buf, last in self._chunks(req.prompt):
+            for _, piece, buf, last, follow in self._chunks(req.prompt):
                 self.state, tok, info, _, logits = self._prefill_logits(
                     self.params, self.state, jnp.int32(req.slot), jnp.asarray(buf), jnp.int32(len(piece)),
-                    jnp.asarray(last), mask)
+                    jnp.asarray(last), mask, follow)
             self._check(info)
             out.append(np.asarray(logits))
             toks.append(int(tok))
+            if "draft_logits" in info:
+                drafts.append(np.asarray(info["draft_logits"]))
             for _ in range(steps):
                 self.state, tok_b, info, logits = self._decode_logits(self.params, self.state)
                 self._check(info)
                 out.append(np.asarray(logits)[req.slot])
                 toks.append(int(np.asarray(tok_b)[req.slot]))
+                if "draft_logits" in info:
+                    drafts.append(np.asarray(info["draft_logits"])[req.slot])
         finally:
             self._free(req)
-        return toks, np.stack(out)
+        return toks, np.stack(out), np.stack(drafts) if drafts else None
 
     def make_requests(self, prompts, *, max_new_tokens, temperature, top_p, top_k, min_p, seed, stop,
                       eos_ids: Sequence[int], ignore_eos: bool) -> list[Request]:

@@ -15,6 +15,7 @@ The PLE n-gram rows come from the FFI host step (hashing + lookup in the memory-
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from .. import ffi
 from ..config import ModelConfig
 from ..model import gated_deltanet as gdn
 from ..model import hyper_connection as hc
+from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model.attention import Attention, PagedKV, attention_paged
 from ..model.base import Array, pytree_dataclass, up
@@ -62,6 +64,7 @@ class DecodeState:
     sampling: SamplingRows
     active: Array  # [B] bool: decoding
     last_token: Array  # [B] int32: the token the next decode step feeds
+    mtp_kv: PagedKV | None = None  # the MTP layer's KV cache (same page table), when the step runs the MTP head
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +87,7 @@ class StepContext:
     table_scale: float | None
     max_pages: int
     page_size: int
+    mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
     # Benchmark-only ablations ("gather", "routed", "mixers"): leave that part out of the step, so timing the
     # variants splits a step's time by part. The outputs are then wrong; never set outside benchmarks.
     skip: frozenset = frozenset()
@@ -113,7 +117,8 @@ def forward_tokens(params: Params, ctx: StepContext, seqs: SeqState, kv: tuple, 
     """Run tokens [b, T] (the first n_new[i] of row i are real) through the model on top of each sequence's state.
 
     Returns (seqs, kv, cache, staging, logits [b, V] of each row's last real token (all_logits: [b, T, V] of
-    every token), info) where info holds the FFI steps' status words (checked on the host after the step)."""
+    every token), info, hidden [b, T, W]) where info holds the FFI steps' status words (checked on the host
+    after the step) and hidden is the pre-mixer state of every new token (the MTP head's input)."""
     cfg = ctx.cfg
     b, t = tokens.shape
     positions = seqs.lengths[:, None] + jnp.arange(t)[None, :]
@@ -179,7 +184,7 @@ def forward_tokens(params: Params, ctx: StepContext, seqs: SeqState, kv: tuple, 
         info["resolve"] = jnp.stack(resolve_info)
     seqs = SeqState(lengths=seqs.lengths + n_new, page_table=seqs.page_table, gdn=tuple(new_gdn), ple=ple_state,
                     hidden=hidden)
-    return seqs, tuple(new_kv), None if new_cache is None else tuple(new_cache), staging, logits, info
+    return seqs, tuple(new_kv), None if new_cache is None else tuple(new_cache), staging, logits, info, h
 
 
 class _Routed:
@@ -244,17 +249,44 @@ def logprobs_of(logits: Array, tokens: Array):
     return chosen, top_id.astype(jnp.int32), top_lp
 
 
+def mtp_step(params: Params, ctx: StepContext, kv: PagedKV, hidden: Array, next_tokens: Array, positions: Array,
+             valid: Array, page_table: Array) -> tuple[PagedKV, Array]:
+    """The MTP head over new tokens: pairs (main state at t, token t+1) -> its KV at t, and the draft logits for
+    token t+2 at each row's last real token. hidden [b, T, W], next_tokens [b, T]."""
+    cfg, layer = ctx.cfg, params.mtp.layer
+    s, eps, dt = cfg.hc_count, cfg.rms_norm_eps, layer.moe.router.dtype
+    b, t, _ = hidden.shape
+    h = mtp_mod.mtp_input(params, cfg, hidden, next_tokens)
+    x, inj = hc.mix(layer.attn_hc, h, s, eps)
+    y, kv = attention_paged(layer.mixer, cfg, x.astype(dt), positions, valid, kv, page_table)
+    h = hc.combine(h, inj, y)
+    x, inj = hc.mix(layer.mlp_hc, h, s, eps)
+    h = hc.combine(h, inj, moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1)).reshape(b, t, -1))
+    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+    return kv, mtp_mod.mtp_logits(params, cfg, h[jnp.arange(b), last])
+
+
 def decode_step(params: Params, ctx: StepContext, st: DecodeState, want_logits: bool = False, masks=None,
                 want_logprobs: bool = False):
     """One token for every active slot: feeds last_token, samples the next. Returns (state, tokens [B], info
     [, logits [B, V]]). With masks [B, ceil(V/32)] (grammar constraints) sampling keeps to the allowed tokens;
-    want_logprobs returns (state, tokens, info, logprobs_of(...))."""
+    want_logprobs returns (state, tokens, info, logprobs_of(...)). With ctx.mtp, info["draft"] [B] holds the
+    MTP head's greedy draft of the token after the sampled one."""
     n_new = st.active.astype(jnp.int32)
-    seqs, kv, cache, staging, logits, info = forward_tokens(params, ctx, st.seqs, st.kv, st.cache, st.staging,
-                                                            st.last_token[:, None], n_new, prefill=False)
+    positions = st.seqs.lengths[:, None]
+    seqs, kv, cache, staging, logits, info, hidden = forward_tokens(
+        params, ctx, st.seqs, st.kv, st.cache, st.staging, st.last_token[:, None], n_new, prefill=False)
     tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, seqs.lengths)
     last = jnp.where(st.active, tokens, st.last_token)
-    out = DecodeState(seqs, kv, cache, staging, st.sampling, st.active, last), tokens, info
+    mtp_kv = st.mtp_kv
+    if ctx.mtp:
+        mtp_kv, draft_logits = mtp_step(params, ctx, mtp_kv, hidden, tokens[:, None], positions,
+                                        st.active[:, None], seqs.page_table)
+        info["draft"] = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+        if want_logits:
+            info["draft_logits"] = draft_logits
+    out = dataclasses.replace(st, seqs=seqs, kv=kv, cache=cache, staging=staging, last_token=last,
+                              mtp_kv=mtp_kv), tokens, info
     if want_logprobs:
         out = out + (logprobs_of(logits, tokens),)
     return out + (logits,) if want_logits else out
@@ -269,24 +301,38 @@ def _set_row(tree, slot, row):
 
 
 def prefill_step(params: Params, ctx: StepContext, st: DecodeState, slot: Array, tokens: Array, n: Array,
-                 last: Array, mask: Array, want_logits: bool = False, score: Array | None = None):
-    """The next n (<= C) prompt tokens of slot `slot` (tokens [C], padded). With `last`, the slot samples its
-    first generated token (within `mask`, a packed [ceil(V/32)] bitmask) and starts decoding.
+                 last: Array, mask: Array, follow: Array, want_logits: bool = False, score: Array | None = None):
+    """The next n (<= C) prompt tokens of slot `slot` (tokens [C], padded); `follow` is the prompt token after
+    them (for the MTP head; unused when `last`). With `last`, the slot samples its first generated token (within
+    `mask`, a packed [ceil(V/32)] bitmask) and starts decoding.
     Returns (state, token, info, logprobs_of(token)[, logits [V]]). With `score` [C] (the token after each
     prompt token), returns instead (state, info, logprobs_of(score) per position): prompt scoring."""
     seq = _row(st.seqs, slot)
-    seq, kv, cache, staging, logits, info = forward_tokens(params, ctx, seq, st.kv, st.cache, st.staging,
-                                                           tokens[None, :], n[None], prefill=True,
-                                                           all_logits=score is not None)
+    positions = seq.lengths[:, None] + jnp.arange(tokens.shape[0])[None, :]
+    seq, kv, cache, staging, logits, info, hidden = forward_tokens(
+        params, ctx, seq, st.kv, st.cache, st.staging, tokens[None, :], n[None], prefill=True,
+        all_logits=score is not None)
     seqs = _set_row(st.seqs, slot, seq)
+    token = None
+    if score is None:
+        token = sample(apply_mask(logits, mask[None]), _row(st.sampling, slot), seq.lengths)[0]
+    mtp_kv = st.mtp_kv
+    if ctx.mtp:  # pairs (state at t, token t+1): the prompt's own next tokens, then what follows the chunk
+        after = follow if score is not None else jnp.where(last, token, follow)
+        nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[n - 1].set(after)
+        valid = jnp.arange(tokens.shape[0]) < n
+        mtp_kv, draft_logits = mtp_step(params, ctx, mtp_kv, hidden, nxt[None], positions, valid[None],
+                                        seqs.page_table[slot][None])
+        info["draft"] = jnp.argmax(draft_logits[0]).astype(jnp.int32)
+        if want_logits:
+            info["draft_logits"] = draft_logits[0]
     if score is not None:
-        return DecodeState(seqs, kv, cache, staging, st.sampling, st.active, st.last_token), info, \
+        return dataclasses.replace(st, seqs=seqs, kv=kv, cache=cache, staging=staging, mtp_kv=mtp_kv), info, \
             logprobs_of(logits[0], score)
-    samp = _row(st.sampling, slot)
-    token = sample(apply_mask(logits, mask[None]), samp, seq.lengths)[0]
     active = st.active.at[slot].set(last | st.active[slot])
     last_token = st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot]))
-    out = DecodeState(seqs, kv, cache, staging, st.sampling, active, last_token), token, info, \
+    out = dataclasses.replace(st, seqs=seqs, kv=kv, cache=cache, staging=staging, active=active,
+                              last_token=last_token, mtp_kv=mtp_kv), token, info, \
         jax.tree.map(lambda a: a[0], logprobs_of(logits, token[None]))
     return out + (logits[0],) if want_logits else out
 
@@ -302,13 +348,12 @@ def admit(ctx: StepContext, st: DecodeState, slot: Array, pages: Array, sampling
                      hidden=fresh.hidden)
     seqs = jax.tree.map(lambda a, r: a.at[slot].set(r), st.seqs, fresh)
     sampling = jax.tree.map(lambda a, r: a.at[slot].set(r), st.sampling, sampling)
-    return DecodeState(seqs, st.kv, st.cache, st.staging, sampling, st.active.at[slot].set(False),
-                       st.last_token.at[slot].set(0))
+    return dataclasses.replace(st, seqs=seqs, sampling=sampling, active=st.active.at[slot].set(False),
+                               last_token=st.last_token.at[slot].set(0))
 
 
 def release(st: DecodeState, slot: Array) -> DecodeState:
-    return DecodeState(st.seqs, st.kv, st.cache, st.staging, st.sampling, st.active.at[slot].set(False),
-                       st.last_token)
+    return dataclasses.replace(st, active=st.active.at[slot].set(False))
 
 
 def init_state(params: Params, ctx: StepContext, max_batch: int, num_pages: int, dtype) -> DecodeState:
@@ -316,13 +361,17 @@ def init_state(params: Params, ctx: StepContext, max_batch: int, num_pages: int,
     cfg = ctx.cfg
     B = max_batch
     gdn_states, kv = [], []
+
+    def pages(attn: Attention) -> PagedKV:
+        ik = None
+        if attn.indexer is not None:
+            ik = jnp.zeros((num_pages, ctx.page_size, cfg.indexer_head_dim), dtype)
+        shape = (num_pages, ctx.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_keys=ik)
+
     for layer in params.layers:
         if isinstance(layer.mixer, Attention):
-            ik = None
-            if layer.mixer.indexer is not None:
-                ik = jnp.zeros((num_pages, ctx.page_size, cfg.indexer_head_dim), dtype)
-            shape = (num_pages, ctx.page_size, cfg.num_key_value_heads, cfg.head_dim)
-            kv.append(PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_keys=ik))
+            kv.append(pages(layer.mixer))
         else:
             g = gdn.init_state(cfg, dtype)
             gdn_states.append(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape, a.dtype), g))
@@ -340,5 +389,6 @@ def init_state(params: Params, ctx: StepContext, max_batch: int, num_pages: int,
         cache = tuple(ExpertCache(lru=jnp.asarray(ffi.lru_state_init(h.slots, cfg.num_experts)),
                                   slots=jnp.zeros((h.slots, R), jnp.uint8)) for _ in params.layers)
         staging = jnp.zeros((h.staging, R), jnp.uint8)
+    mtp_kv = pages(params.mtp.layer.mixer) if ctx.mtp else None
     return DecodeState(seqs, tuple(kv), cache, staging, SamplingRows.init(B), jnp.zeros(B, bool),
-                       jnp.zeros(B, jnp.int32))
+                       jnp.zeros(B, jnp.int32), mtp_kv)

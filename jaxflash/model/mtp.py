@@ -28,23 +28,34 @@ class MTP:
     mixer: hc.HyperConnection  # mtp.hyper_connection_mixer (its inject weight is unused)
 
 
+def mtp_input(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array) -> Array:
+    """The MTP layer's input x0 [B, T, W] from the main state hidden [B, T, W] and the next tokens [B, T]."""
+    m: MTP = params.mtp
+    dt = params.dtype
+    s, hid, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
+    b, t, _ = hidden.shape
+    e = linear(rms_norm(params.embed[next_tokens].astype(dt), m.pre_fc_norm_embedding, eps), m.fc_embedding)
+    hn = rms_norm(hidden, m.pre_fc_norm_hidden, eps).astype(dt).reshape(b, t, s, hid)
+    x0 = up(linear(hn, m.fc_hidden)) + up(e)[:, :, None, :]
+    return x0.reshape(b, t, s * hid)
+
+
+def mtp_logits(params: Params, cfg: ModelConfig, h: Array) -> Array:
+    """Draft logits from the MTP layer's output state h [..., W]."""
+    x, _ = hc.mix(params.mtp.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
+    return lm_logits(params, x)
+
+
 def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array,
                 moe_impl: str = "auto", router_stats: list | None = None) -> tuple[Array, Array]:
     """hidden [..., T, W]: the main model's pre-mixer state at positions 0..T-1; next_tokens [..., T]: the
     tokens at positions 1..T. Returns (draft logits [..., T, V] for the tokens at positions 2..T+1, the MTP
     layer's output state [..., T, W])."""
-    m: MTP = params.mtp
-    dt = params.dtype
-    s, hid, eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
     single = hidden.ndim == 2
     if single:
         hidden, next_tokens = hidden[None], next_tokens[None]
-    b, t, _ = hidden.shape
-    e = linear(rms_norm(params.embed[next_tokens].astype(dt), m.pre_fc_norm_embedding, eps), m.fc_embedding)
-    hn = rms_norm(hidden, m.pre_fc_norm_hidden, eps).astype(dt).reshape(b, t, s, hid)
-    x0 = up(linear(hn, m.fc_hidden)) + up(e)[:, :, None, :]
-    h = decoder_layer(m.layer, cfg, x0.reshape(b, t, s * hid), jnp.arange(t), moe_impl=moe_impl,
+    x0 = mtp_input(params, cfg, hidden, next_tokens)
+    h = decoder_layer(params.mtp.layer, cfg, x0, jnp.arange(x0.shape[1]), moe_impl=moe_impl,
                       router_stats=router_stats)
-    x, _ = hc.mix(m.mixer, h, s, eps)
-    logits = lm_logits(params, x)
+    logits = mtp_logits(params, cfg, h)
     return (logits[0], h[0]) if single else (logits, h)
