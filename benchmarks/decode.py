@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (aggregate tok/s)")
+    ap.add_argument("--long-prompt", type=int, default=0, help="also time the prefill of one prompt this long")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
     ap.add_argument("--ablation-steps", type=int, default=16, help="timed steps per ablated variant (0: none)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
-           "prompt_tokens": args.prompt, "steps": args.steps, "max_seq_len": args.max_seq_len, "modes": {}}
+           "prompt_tokens": args.prompt, "batch": args.batch, "steps": args.steps, "max_seq_len": args.max_seq_len, "modes": {}}
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "
         f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.dtype}")
 
@@ -123,14 +125,15 @@ def main(argv=None) -> int:
     ngram = (table, table_np.scale)
 
     rng = np.random.default_rng(1)
-    prompt = [int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)]
+    prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(args.batch)]
+    prompt = prompts[0]
     mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
 
     for mode in args.modes.split(","):
         log(f"--- experts on the {mode}")
         free, note = planner.device_free_bytes(dev)
         plan = planner.plan(cfg, mb, residency=mode, budget=planner.parse_bytes(args.budget) if mode == "host" else None,
-                            free=free, free_note=note, max_batch=1, max_seq_len=args.max_seq_len,
+                            free=free, free_note=note, max_batch=args.batch, max_seq_len=args.max_seq_len,
                             prefill_chunk=256, dtype_bytes=jnp.dtype(args.dtype).itemsize)
         for n in plan.notes:
             log("  plan: " + n)
@@ -154,31 +157,40 @@ def main(argv=None) -> int:
         log(f"  compiled and warmed in {compile_s:.0f} s")
         gen = engine.generator
         gen.stats = type(gen.stats)()
-        first = [None]
+        firsts, stamps = {}, []
         t0 = time.perf_counter()
-        n_out = 0
-        for _, tok in engine.generate_stream([prompt], args.steps + 1, ignore_eos=True):
+        for i, tok in engine.generate_stream(prompts, args.steps + 1, ignore_eos=True):
             if tok is not None:
-                n_out += 1
-                if first[0] is None:
-                    first[0] = time.perf_counter()
+                stamps.append(time.perf_counter())
+                firsts.setdefault(i, stamps[-1])
         end = time.perf_counter()
-        ttft = first[0] - t0
-        step_s = (end - first[0]) / max(1, n_out - 1)
+        n_out = len(stamps)
+        ttft = min(firsts.values()) - t0
+        decode_from = max(firsts.values())  # every prompt admitted: from here on, full-batch decode steps
+        decode_tokens = sum(t > decode_from for t in stamps)
         st = gen.stats
-        run = {"plan": plan.summary(), "cache_slots": plan.cache_slots, "compile_s": compile_s,
-               "ttft_s": ttft, "step_ms": step_s * 1e3, "tok_s": 1 / step_s, "hit_rate": st.hit_rate,
-               "tokens": n_out}
+        step_s = (end - decode_from) / max(1, decode_tokens / len(prompts))
+        run = {"plan": plan.summary(), "cache_slots": plan.cache_slots, "compile_s": compile_s, "batch": args.batch,
+               "ttft_s": ttft, "step_ms": step_s * 1e3, "tok_s": decode_tokens / (end - decode_from),
+               "hit_rate": st.hit_rate, "tokens": n_out, "decode_steps": st.decode_steps}
         if st.hit_rate is not None:
             misses_per_step = st.expert_misses / max(1, st.decode_steps)
             run["misses_per_step"] = misses_per_step
             run["miss_gb_per_step"] = misses_per_step * layout.record_bytes / 1e9
-        log(f"  decode: {run['tok_s']:.1f} tok/s ({run['step_ms']:.2f} ms/step) over {n_out} tokens; prompt "
-            f"{args.prompt} tokens -> first token {ttft * 1e3:.0f} ms"
+        log(f"  decode: {run['tok_s']:.1f} tok/s over {args.batch} sequence(s) ({run['step_ms']:.2f} ms/step, "
+            f"{st.decode_steps} steps); prompt {args.prompt} tokens -> first token {ttft * 1e3:.0f} ms"
             + (f"; hit rate {st.hit_rate:.1%}, {run['misses_per_step']:.0f} misses/step = "
                f"{run['miss_gb_per_step']:.2f} GB/step over PCIe" if st.hit_rate is not None else ""))
+        if args.long_prompt:
+            long = [int(x) for x in rng.integers(0, cfg.vocab_size, args.long_prompt)]
+            t0 = time.perf_counter()
+            engine.generate([long], max_new_tokens=1, ignore_eos=True)
+            run["long_prompt"] = {"tokens": args.long_prompt, "ttft_s": time.perf_counter() - t0}
+            run["long_prompt"]["prefill_tok_s"] = args.long_prompt / run["long_prompt"]["ttft_s"]
+            log(f"  prefill: {args.long_prompt} tokens -> first token in {run['long_prompt']['ttft_s']:.2f} s "
+                f"({run['long_prompt']['prefill_tok_s']:.0f} tok/s, chunks of {plan.prefill_chunk})")
 
-        if args.ablation_steps:
+        if args.ablation_steps and args.batch == 1:
             names = [v for v in VARIANTS if not (mode == "device" and v == "no-gather")]
             fns = {}
             for v in names:

@@ -241,25 +241,12 @@ class Generator:
         return [self._end(req, "cancelled")]
 
     def step(self) -> list[Event]:
-        """Admit what fits (prefilling each admitted prompt), then one decode step for every running request."""
+        """Admit the next waiting request if it fits (prefilling its prompt), then one decode step for every
+        running request. One admission per step: a burst of arrivals does not stall the running sequences for
+        all of its prefills at once, and the first arrival gets its first token after one prefill."""
         events: list[Event] = []
-        while self.pending and self.free_slots and self.pages_for(self.pending[0]) <= len(self.free_pages):
-            req = self.pending.popleft()
-            try:
-                self._admit_one(req)
-                if req.max_new_tokens == 0:  # prompt scoring only
-                    self._score_prompt(req)
-                    self.stats.prompt_tokens += len(req.prompt)
-                    events.append(self._end(req, "length"))
-                    continue
-                tok, lps = self._prefill_all(req)
-            except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
-                req.error = f"{type(e).__name__}: {e}"
-                events.append(self._end(req, "error"))
-                events.extend(self._recover())
-                continue
-            self.running.append(req)
-            events.extend(self._accept(req, tok, lps))
+        if self.pending and self.free_slots and self.pages_for(self.pending[0]) <= len(self.free_pages):
+            events.extend(self._admit_next())
         if not self.running:
             return events
         rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
@@ -292,6 +279,21 @@ class Generator:
             draft = None if drafts is None else int(drafts[req.slot])
             events.extend(self._accept(req, int(toks[req.slot]), row, draft))
         return events
+
+    def _admit_next(self) -> list[Event]:
+        req = self.pending.popleft()
+        try:
+            self._admit_one(req)
+            if req.max_new_tokens == 0:  # prompt scoring only
+                self._score_prompt(req)
+                self.stats.prompt_tokens += len(req.prompt)
+                return [self._end(req, "length")]
+            tok, lps = self._prefill_all(req)
+        except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
+            req.error = f"{type(e).__name__}: {e}"
+            return [self._end(req, "error")] + self._recover()
+        self.running.append(req)
+        return self._accept(req, tok, lps)
 
     def _recover(self) -> list[Event]:
         """After a failed program: if the donated state was lost, start a fresh one (running requests end)."""
