@@ -232,8 +232,9 @@ def test_anthropic_tool_use_round_trip(claude, tok):
     assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Oslo"}]
     msgs += [{"role": "assistant", "content": [use.model_dump()]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "rain"}]}]
-    again = claude.messages.create(model="tiny", max_tokens=4, tools=tools, messages=msgs)
-    assert again.usage.output_tokens >= 1
+    again = claude.messages.create(model="tiny", max_tokens=4, tools=tools, messages=msgs,
+                                   extra_body={"temperature": 0})
+    assert again.stop_reason in ("end_turn", "max_tokens") and again.usage.input_tokens > m.usage.input_tokens
 
 
 # ----- errors ------------------------------------------------------------------------------------------------------
@@ -377,5 +378,6 @@ def test_a_failing_request_ends_alone(server, oai):
     gen._prefill = boom
     with pytest.raises(openai.InternalServerError, match="out of memory"):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
-    ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
-    assert ok.usage.completion_tokens == 3 and httpx.get(server[0] + "/health").status_code == 200
+    ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                     temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop") and httpx.get(server[0] + "/health").status_code == 200
