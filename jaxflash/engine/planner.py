@@ -139,9 +139,9 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     if free is None and budget is None:
         raise PlanError("no memory figure: the device reports none and no vram_budget was given")
     total = min(x for x in (budget, free) if x is not None)
-    why = (f"budget {total / GiB:.2f} GiB = min(vram_budget {budget / GiB:.2f} GiB, {free_note})"
+    why = (f"budget {size(total)} = min(vram_budget {size(budget)}, {free_note})"
            if budget is not None and free is not None else
-           f"budget {total / GiB:.2f} GiB from " + (f"vram_budget" if budget is not None else free_note))
+           f"budget {size(total)} from " + (f"vram_budget" if budget is not None else free_note))
     log.info(why)
     notes = [why]
     k, E, L = cfg.num_experts_per_tok, cfg.num_experts, cfg.num_hidden_layers
@@ -169,16 +169,16 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         need = sum(res.values()) + mb.experts
         if need <= total:
             res["experts"] = mb.experts
-            note(f"experts on the device: {mb.experts / GiB:.2f} GiB of experts + {(need - mb.experts) / GiB:.2f} "
-                 f"GiB of the rest fit the {total / GiB:.2f} GiB budget")
+            note(f"experts on the device: {size(mb.experts)} of experts + {size(need - mb.experts)} "
+                 f"of the rest fit the {size(total)} budget")
             return Plan("device", total, max_batch, seq, PAGE, max_batch * seq // PAGE, 0, 0, prefill_chunk,
                         res, notes)
         if residency == "device":
-            raise PlanError(f"expert_residency='device' needs {need / GiB:.2f} GiB ("
-                            + ", ".join(f"{n} {v / GiB:.2f}" for n, v in res.items())
-                            + f", experts {mb.experts / GiB:.2f}); the budget is {total / GiB:.2f} GiB")
-        note(f"experts on the host: they need {mb.experts / GiB:.2f} GiB and the rest {(need - mb.experts) / GiB:.2f}"
-             f" GiB, over the {total / GiB:.2f} GiB budget")
+            raise PlanError(f"expert_residency='device' needs {size(need)} ("
+                            + ", ".join(f"{n} {size(v)}" for n, v in res.items())
+                            + f", experts {size(mb.experts)}); the budget is {size(total)}")
+        note(f"experts on the host: they need {size(mb.experts)} and the rest {size(need - mb.experts)}"
+             f", over the {size(total)} budget")
     if mb.record_bytes <= 0:
         raise PlanError("host-resident experts need NVFP4 or BF16 expert tensors in the checkpoint")
 
@@ -202,19 +202,19 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
                             f"distinct experts per layer, so cache_slots must be in [{min_slots}, {E}]")
         if cache_slots > fit:
             raise PlanError(f"cache_slots={cache_slots} x {L} layers x {mb.record_bytes / MiB:.2f} MiB does not fit:"
-                            f" {max(left, 0) / GiB:.2f} GiB is left after "
-                            + ", ".join(f"{n} {v / GiB:.2f} GiB" for n, v in res.items()))
+                            f" {size(max(left, 0))} is left after "
+                            + ", ".join(f"{n} {size(v)}" for n, v in res.items()))
     if slots < min_slots:
         raise PlanError(f"the expert cache would get {slots} slots per layer, fewer than the {min_slots} a step of "
-                        f"{max_batch} sequences may need: {total / GiB:.2f} GiB budget minus "
-                        + ", ".join(f"{n} {v / GiB:.2f} GiB" for n, v in res.items())
+                        f"{max_batch} sequences may need: {size(total)} budget minus "
+                        + ", ".join(f"{n} {size(v)}" for n, v in res.items())
                         + ". Raise vram_budget, or lower max_batch or max_seq_len")
     if slots < good_slots:
         note(f"warning: {slots} cache slots/layer is below 3 x top_k = {3 * k}; expect few cache hits")
     res["expert cache"] = slots * L * mb.record_bytes
     note(f"expert cache: {slots} slots/layer x {L} layers x {mb.record_bytes / MiB:.2f} MiB = "
-         f"{res['expert cache'] / GiB:.2f} GiB ({slots / E:.0%} of the experts); prefill stages {staging} "
+         f"{size(res['expert cache'])} ({slots / E:.0%} of the experts); prefill stages {staging} "
          f"experts at a time ({res['prefill staging'] / MiB:.0f} MiB)")
-    note(f"KV cache: {max_batch} x {seq} tokens = {res['KV cache'] / GiB:.2f} GiB")
+    note(f"KV cache: {max_batch} x {seq} tokens = {size(res['KV cache'])}")
     return Plan("host", total, max_batch, seq, PAGE, max_batch * seq // PAGE, slots, staging, prefill_chunk,
                 res, notes)
