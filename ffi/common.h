@@ -13,9 +13,38 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace jaxflash {
+
+// ----- registries -------------------------------------------------------------------------------------------
+// Objects handed to Python by integer id (expert pools, n-gram tables). Ids are never reused, so a stale id
+// fails instead of aliasing a newer object.
+template <typename T>
+class Registry {
+ public:
+  // Gives `obj` its id (obj->id) and holds it until release.
+  void add(const std::shared_ptr<T>& obj) {
+    std::lock_guard<std::mutex> lock(mu_);
+    obj->id = next_id_++;
+    objects_[obj->id] = obj;
+  }
+  std::shared_ptr<T> get(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = objects_.find(id);
+    return it == objects_.end() ? nullptr : it->second;
+  }
+  bool release(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return objects_.erase(id) > 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::shared_ptr<T>> objects_;
+  int64_t next_id_ = 1;
+};
 
 // ----- handler-body call counters ---------------------------------------------------------------------------
 // Each handler body bumps its counter on entry. Inside a CUDA graph the body runs only when XLA records the

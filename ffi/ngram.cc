@@ -9,7 +9,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <thread>
-#include <unordered_map>
 
 #include "common.h"
 
@@ -20,9 +19,7 @@
 namespace jaxflash {
 
 namespace {
-std::mutex g_table_mu;
-std::unordered_map<int64_t, std::shared_ptr<NgramTable>> g_tables;
-int64_t g_next_table_id = 1;
+Registry<NgramTable> g_tables;
 }  // namespace
 
 NgramTable::~NgramTable() {
@@ -94,22 +91,13 @@ std::shared_ptr<NgramTable> table_create(const std::vector<NgramSegment>& segmen
     }
   }
 #endif
-  std::lock_guard<std::mutex> lock(g_table_mu);
-  table->id = g_next_table_id++;
-  g_tables[table->id] = table;
+  g_tables.add(table);
   return table;
 }
 
-std::shared_ptr<NgramTable> table_get(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_table_mu);
-  auto it = g_tables.find(id);
-  return it == g_tables.end() ? nullptr : it->second;
-}
+std::shared_ptr<NgramTable> table_get(int64_t id) { return g_tables.get(id); }
 
-bool table_release(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_table_mu);
-  return g_tables.erase(id) > 0;
-}
+bool table_release(int64_t id) { return g_tables.release(id); }
 
 int32_t ple_compute(const PleParams& p, const int32_t* tokens, const int32_t* lengths, const int32_t* reset,
                     const int32_t* ctx_in, int32_t* ctx_out, int32_t* ids, const NgramTable* table, uint8_t* rows,

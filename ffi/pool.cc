@@ -23,9 +23,7 @@ namespace jaxflash {
 
 namespace {
 
-std::mutex g_pool_mu;
-std::unordered_map<int64_t, std::shared_ptr<ExpertPool>> g_pools;
-int64_t g_next_pool_id = 1;  // ids are never reused, so a stale id fails instead of aliasing a new pool
+Registry<ExpertPool> g_pools;
 
 // Page-aligned, lazily committed memory; transparent huge pages keep TLB misses low on large pools.
 uint8_t* map_plain(size_t bytes) {
@@ -103,22 +101,13 @@ std::shared_ptr<ExpertPool> pool_create(int64_t num_layers, int64_t num_experts,
 #endif
   }
   if (!pool->host) pool->host = map_plain(pool->bytes);
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  pool->id = g_next_pool_id++;
-  g_pools[pool->id] = pool;
+  g_pools.add(pool);
   return pool;
 }
 
-std::shared_ptr<ExpertPool> pool_get(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  auto it = g_pools.find(id);
-  return it == g_pools.end() ? nullptr : it->second;
-}
+std::shared_ptr<ExpertPool> pool_get(int64_t id) { return g_pools.get(id); }
 
-bool pool_release(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  return g_pools.erase(id) > 0;
-}
+bool pool_release(int64_t id) { return g_pools.release(id); }
 
 int64_t pool_load(ExpertPool& pool, const std::vector<PlanEntry>& plan, int threads) {
   // Validate the whole plan before touching the pool.
