@@ -169,7 +169,7 @@ class Engine:
         gen = self.generator
         reqs = gen.make_requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-                                 eos_ids=self.config.eos_token_ids or (self.config.eos_token_id,),
+                                 eos_ids=self.config.eos_token_ids,
                                  ignore_eos=ignore_eos)
         if not gen.idle:
             raise RuntimeError("the generator is serving other requests (a server owns it)")

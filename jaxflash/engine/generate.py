@@ -367,7 +367,7 @@ class Generator:
         for i, (p, m, t, tp, tk, mp, sd, st) in enumerate(zip(
                 prompts, per("max_new_tokens", max_new_tokens), per("temperature", temperature),
                 per("top_p", top_p), per("top_k", top_k), per("min_p", min_p), per("seed", seed), stops)):
-            p = self.check_prompt(p, i)
+            p = self.check_prompt(p, f"prompt {i}")
             if int(m) != m or m < 1:
                 raise ValueError(f"max_new_tokens must be a positive integer, got {m}")
             stop_ids = set() if ignore_eos else set(eos_ids)
@@ -380,17 +380,17 @@ class Generator:
             reqs.append(Request(i, p, min(int(m), self.max_seq_len - len(p)), sp, frozenset(stop_ids)))
         return reqs
 
-    def check_prompt(self, p, i: int = 0) -> list[int]:
+    def check_prompt(self, p, what: str = "the prompt") -> list[int]:
         """A prompt as a list of ints, or ValueError saying what is wrong with it."""
         if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) == 0:
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
+            raise ValueError(f"{what} must be a non-empty list of token ids")
         arr = np.asarray(p)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            raise ValueError(f"{what} must be a flat list of integer token ids")
         vocab = self.ctx.cfg.vocab_size
         if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(f"prompt {i}: token id out of range [0, {vocab})")
+            raise ValueError(f"{what}: token id out of range [0, {vocab})")
         if len(p) >= self.max_seq_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.max_seq_len} "
-                             "(load with a larger max_seq_len)")
+            raise ValueError(f"{what} has {len(p)} tokens; the context holds {self.max_seq_len} "
+                             "(the engine's max_seq_len)")
         return [int(x) for x in arr]

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -222,28 +222,23 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
     def make_request(ids: list[int], max_tokens: int | None, sampling: SamplingParams, *, logprobs=None,
                      echo_logprobs=None, constraint=None) -> GenRequest:
         gen = state.engine.generator
-        if not ids:
-            raise ApiError(400, "the prompt is empty")
+        try:
+            ids = gen.check_prompt(ids)
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt") from None
         ctx = gen.max_seq_len
-        if len(ids) >= ctx:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
-                           "messages")
         room = ctx - len(ids)
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the context of {ctx}",
                            "max_tokens")
-        vocab = state.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        cfg = state.engine.config
-        eos = frozenset(cfg.eos_token_ids or (cfg.eos_token_id,))
+        eos = frozenset(state.engine.config.eos_token_ids)
         return GenRequest(0, ids, room if max_tokens is None else max_tokens, sampling, eos, logprobs=logprobs,
                           echo_logprobs=echo_logprobs, constraint=constraint)
 
     def constraint(fmt, grammar=None):
         try:
             cfg = state.engine.config
-            return constraint_for(fmt, state.tokenizer.path, cfg.vocab_size, cfg.eos_token_ids or (cfg.eos_token_id,),
+            return constraint_for(fmt, state.tokenizer.path, cfg.vocab_size, cfg.eos_token_ids,
                                   grammar)
         except GrammarError as e:
             raise ApiError(400, str(e), "response_format") from None
@@ -291,10 +286,8 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
     async def collect(req: GenRequest, http: Request, parser: OutputParser, take) -> bool:
         """Run a non-streaming request to its end, handing each event and its parsed deltas to take(ev, deltas).
         False when the client went away first."""
-        async for ev in events_of(req, http):
-            take(ev, parser.finish() if ev.token is None else parser.feed([ev.token]))
-            if parser.stopped and req.finish is None:
-                break  # a stop string: events_of cancels the rest
+        async for ev, deltas in _parsed(events_of(req, http), parser, req):
+            take(ev, deltas)
         if req.finish == "error":
             raise ApiError(500, f"generation failed: {req.error}")
         return req.finish is not None or parser.stopped
@@ -362,8 +355,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
 
         async def stream():
             yield chunk({"role": "assistant", "content": ""})
-            async for ev in _chain(first, agen):
-                deltas = parser.finish() if ev.token is None else parser.feed([ev.token])
+            async for ev, deltas in _parsed(_chain(first, agen), parser, req):
                 lp = {"content": [lp_entry(ev.token, ev.logprob)]} if ev.logprob is not None else None
                 for d in deltas:
                     if d[0] == "text":
@@ -379,8 +371,6 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                         yield chunk({"tool_calls": [{"index": d[1], "function": {"arguments": d[2]}}]})
                 if lp is not None:
                     yield chunk({}, logprobs=lp)
-                if parser.stopped and req.finish is None:
-                    break
             if req.finish == "error":
                 yield {"data": json.dumps(P.openai_error(f"generation failed: {req.error}", "server_error"))}
             else:
@@ -406,8 +396,6 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
             raise ApiError(400, "max_tokens 0 is only meaningful with echo and logprobs (prompt scoring)",
                            "max_tokens")
         echo_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
-        if echo_lp is not None and len(ids) < 1:
-            raise ApiError(400, "the prompt is empty", "prompt")
         req = make_request(ids, body.max_tokens, sampling_of(body), logprobs=body.logprobs, echo_logprobs=echo_lp,
                            constraint=constraint(body.response_format, body.guided_grammar))
         parser = OutputParser(state.tokenizer, stop=stops(body.stop))
@@ -463,14 +451,11 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         async def stream():
             if prefix:
                 yield chunk(prefix)
-            async for ev in _chain(first, agen):
-                deltas = parser.finish() if ev.token is None else parser.feed([ev.token])
+            async for ev, deltas in _parsed(_chain(first, agen), parser, req):
                 text = "".join(d[1] for d in deltas if d[0] == "text")
                 lp = legacy_logprobs([(ev.token, ev.logprob)], 0) if (ev.token is not None and ev.logprob) else None
                 if text or lp:
                     yield chunk(text, logprobs=lp)
-                if parser.stopped and req.finish is None:
-                    break
             if req.finish == "error":
                 yield {"data": json.dumps(P.openai_error(f"generation failed: {req.error}", "server_error"))}
             else:
@@ -602,8 +587,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                 out.append(event("content_block_start", {"index": index, "content_block": extra}))
                 return out
 
-            async for ev in _chain(first, agen):
-                deltas = parser.finish() if ev.token is None else parser.feed([ev.token])
+            async for ev, deltas in _parsed(_chain(first, agen), parser, req):
                 for d in deltas:
                     if d[0] in ("text", "reasoning"):
                         kind = "text" if d[0] == "text" else "thinking"
@@ -622,8 +606,6 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                     elif d[0] == "tool_args":
                         yield event("content_block_delta", {"index": tool_index[d[1]], "delta": {
                             "type": "input_json_delta", "partial_json": d[2]}})
-                if parser.stopped and req.finish is None:
-                    break
             if open_kind is not None:
                 yield event("content_block_stop", {"index": index})
             if req.finish == "error":
@@ -648,9 +630,25 @@ async def _first_event(agen):
 
 
 async def _chain(first, agen):
-    if first is not None:
-        yield first
-        if first.token is None:
-            return
-    async for ev in agen:
-        yield ev
+    """The first event (already taken, see _first_event), then the rest."""
+    try:
+        if first is not None:
+            yield first
+            if first.token is None:
+                return
+        async for ev in agen:
+            yield ev
+    finally:
+        await agen.aclose()
+
+
+async def _parsed(events, parser: OutputParser, req: GenRequest):
+    """(event, parsed deltas) for each of a request's events, until its end or a stop string. Closing the
+    events on the way out runs events_of's `finally`, which cancels a request stopped early."""
+    try:
+        async for ev in events:
+            yield ev, (parser.finish() if ev.token is None else parser.feed([ev.token]))
+            if parser.stopped and req.finish is None:
+                return
+    finally:
+        await events.aclose()

@@ -45,7 +45,6 @@ class EngineWorker:
         self.gen, self.max_waiting, self.metrics = generator, max_waiting, metrics
         self._inbox: queue.Queue = queue.Queue()
         self._tickets: dict[int, Ticket] = {}
-        self._waiting = 0  # submitted, not yet admitted (read by handlers: approximate is fine)
         self.dead: str | None = None
         self._thread = threading.Thread(target=self._run, name="jaxflash-engine", daemon=True)
         self._thread.start()
@@ -54,10 +53,9 @@ class EngineWorker:
     def submit(self, req: Request) -> Ticket:
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
-        if self._waiting >= self.max_waiting:
-            raise QueueFull(f"{self._waiting} requests are waiting")
+        if self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting")
         ticket = Ticket(req, asyncio.get_running_loop())
-        self._waiting += 1
         self._inbox.put(("submit", ticket))
         return ticket
 
@@ -75,7 +73,9 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Requests not admitted yet: commands the engine thread has not taken in (submissions, and the odd
+        cancellation: an approximation on the safe side) plus its pending queue."""
+        return self._inbox.qsize() + len(self.gen.pending)
 
     # ----- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -105,7 +105,6 @@ class EngineWorker:
                 t.deliver(Event(t.request, None))
 
     def _submit(self, ticket: Ticket) -> None:
-        self._waiting -= 1
         req = ticket.request
         try:
             self.gen.submit(req)
@@ -141,7 +140,7 @@ class EngineWorker:
         if self.metrics is None:
             return
         self.metrics.running.set(len(self.gen.running))
-        self.metrics.waiting.set(self._waiting + len(self.gen.pending))
+        self.metrics.waiting.set(self.waiting)
         hr = self.gen.stats.hit_rate
         if hr is not None:
             self.metrics.hit_rate.set(hr)
