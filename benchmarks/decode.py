@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     from jaxflash import ffi
     from jaxflash.engine import Engine, planner
     from jaxflash.engine import step as step_mod
-    from jaxflash.engine.generate import Generator
     from jaxflash.model.weights import load_params
     from jaxflash.synthetic import SyntheticSource, make_config
 
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
             gen._prefill_all(req)
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(len(fns)) as ex:  # compile the variants side by side
-                compiled = dict(zip(fns, ex.map(lambda v: fns[v].lower(p, gen.state).compile(), fns)))
+                compiled = dict(zip(fns, ex.map(lambda v, p=p, st=gen.state: fns[v].lower(p, st).compile(), fns)))
             log(f"  ablation variants compiled in {time.perf_counter() - t0:.0f} s")
             times = {}
             for v in names:

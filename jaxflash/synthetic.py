@@ -756,7 +756,7 @@ class SyntheticSource:
         return self._experts[1][suffix][int(e)]
 
     def _generate_experts(self, head: str, proj: str) -> dict[str, np.ndarray]:
-        c, n = self.config, self.config.num_experts
+        n = self.config.num_experts
         shape, dt = self.specs[f"{head}.0.{proj}.weight"]
         out_f = shape[0]
         scheme = self.quant.scheme(f"{head}.0.{proj}")

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
 
     import optax
 
-    from jaxflash.engine import Engine, load
+    from jaxflash.engine import load
     from jaxflash.export import save_checkpoint
     from jaxflash.perplexity import perplexity
 

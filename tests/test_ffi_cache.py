@@ -11,16 +11,7 @@ import pytest
 
 from jaxflash import ffi as F
 from jaxflash.ffi.reference import LruModel
-from test_ffi_support import uniform_trace, zipf_trace
-
-
-def _pool(num_layers, num_experts, record_bytes, seed=0):
-    """A raw pool of random records (any record size: no expert layout needed here); returns (id, view)."""
-    mod = F.module()
-    info = mod.pool_create(num_layers, num_experts, record_bytes, False)
-    arr = mod.pool_array(info["id"])
-    arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
-    return info["id"], arr
+from test_ffi_support import random_pool, uniform_trace, zipf_trace
 
 
 @functools.partial(jax.jit, static_argnames=("S", "E", "pool_id", "layer"), donate_argnums=(1, 2))
@@ -38,7 +29,7 @@ def _run_trace(trace, state, cache, *, S, E, pool_id, layer):
 
 
 def _check_trace(trace, S, E, R=48):
-    pool_id, pool = _pool(1, E, R)
+    pool_id, pool = random_pool(1, E, R)
     try:
         state = jnp.asarray(F.lru_state_init(S, E))
         cache = F.cache_init(S, R)
@@ -100,7 +91,7 @@ def test_all_slots_needed_each_step():
 
 def test_stacked_state_and_cache_touch_only_their_layer():
     E, S, L, R = 20, 6, 3, 32
-    pool_id, pool = _pool(L, E, R, seed=5)
+    pool_id, pool = random_pool(L, E, R, seed=5)
     try:
         state = jnp.asarray(F.lru_state_init(S, E, num_layers=L))
         cache = F.cache_init(S, R, num_layers=L)
@@ -186,7 +177,7 @@ def test_gather_errors_are_clear():
     with pytest.raises(Exception, match="no expert pool with id 987654"):
         jax.block_until_ready(F.gather(np.full((2, 2), -1, np.int32), np.zeros(4, np.int32),
                                        jnp.zeros((4, 64), jnp.uint8), pool=987654, layer=0))
-    pool_id, _ = _pool(1, 4, 64)
+    pool_id, _ = random_pool(1, 4, 64)
     try:
         with pytest.raises(Exception, match="cache must be uint8 \\[num_slots, 64\\]"):
             jax.block_until_ready(F.gather(np.full((2, 2), -1, np.int32), np.zeros(4, np.int32),

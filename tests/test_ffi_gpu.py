@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from jaxflash import ffi as F
 from jaxflash import presets
 from jaxflash.ffi.reference import LruModel, ngram_ids_reference
-from test_ffi_support import SafetensorsIndex, zipf_trace
+from test_ffi_support import SafetensorsIndex, random_pool, zipf_trace
 
 
 def _gpu():
@@ -28,15 +28,6 @@ def _gpu():
 
 GPU = _gpu()
 pytestmark = pytest.mark.skipif(GPU is None, reason="needs a CUDA GPU visible to JAX and jaxflash_ffi_cuda")
-
-
-def _pool(num_layers, num_experts, record_bytes, seed=0):
-    mod = F.module()
-    info = mod.pool_create(num_layers, num_experts, record_bytes, True)
-    assert info["pinned"], info["note"]
-    arr = mod.pool_array(info["id"])
-    arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
-    return info["id"], arr
 
 
 @functools.partial(jax.jit, static_argnames=("S", "E", "pool_id", "mode"), donate_argnums=(1, 2))
@@ -57,7 +48,7 @@ def test_resolve_and_gather_on_gpu_match_model(E, S, T, k, mode):
     steps = 60 if S < 1000 else 12
     trace = zipf_trace(rng, steps, T, k, E)
     R = 256
-    pool_id, pool = _pool(1, E, R)
+    pool_id, pool = random_pool(1, E, R, pin=True)
     try:
         with jax.default_device(GPU):
             (state, cache), (slots, misses, info, states) = _run(

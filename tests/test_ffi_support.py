@@ -47,3 +47,16 @@ def uniform_trace(rng, steps: int, tokens: int, k: int, num_experts: int) -> np.
         for t in range(tokens):
             out[s, t] = rng.choice(num_experts, k, replace=False)
     return out
+
+
+def random_pool(num_layers: int, num_experts: int, record_bytes: int, *, pin: bool = False, seed: int = 0):
+    """A raw expert pool of random records (any record size: no expert layout needed); returns (id, view).
+    With pin=True the pool must come out pinned (the GPU tests' zero-copy gather needs it)."""
+    from jaxflash import ffi
+
+    mod = ffi.module()
+    info = mod.pool_create(num_layers, num_experts, record_bytes, pin)
+    assert info["pinned"] or not pin, info["note"]
+    arr = mod.pool_array(info["id"])
+    arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
+    return info["id"], arr

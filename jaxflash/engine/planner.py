@@ -141,7 +141,7 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     total = min(x for x in (budget, free) if x is not None)
     why = (f"budget {size(total)} = min(vram_budget {size(budget)}, {free_note})"
            if budget is not None and free is not None else
-           f"budget {size(total)} from " + (f"vram_budget" if budget is not None else free_note))
+           f"budget {size(total)} from " + ("vram_budget" if budget is not None else free_note))
     log.info(why)
     notes = [why]
     k, E, L = cfg.num_experts_per_tok, cfg.num_experts, cfg.num_hidden_layers

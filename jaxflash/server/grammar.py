@@ -1,9 +1,9 @@
 """`response_format` constraints: JSON (any object, or a JSON schema), or a Lark grammar (`guided_grammar`),
-enforced by token masks computed with llguidance. The engine asks the constraint for each step's allowed-token bitmask and feeds it the sampled token."""
+enforced by token masks computed with llguidance. The engine asks the constraint for each step's allowed-token
+bitmask and feeds it the sampled token."""
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
 
