@@ -61,7 +61,7 @@ from jaxflash import presets  # noqa: E402
 from jaxflash.ffi.reference import LruModel, ngram_ids_reference  # noqa: E402
 
 H, I, E, K_TOP = 2560, 640, 512, 10
-SLOTS = 186  # DESIGN.md's per-layer cache size (the 32 GB budget)
+SLOTS = 186  # a per-layer cache that a 32 GB card's budget allows
 LAYOUT = F.ExpertLayout("nvfp4", H, I)
 R = LAYOUT.record_bytes
 TAG = 0x4A46  # "JF": records carry (layer, expert, TAG) in their first 12 bytes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The full-size model (SPEC.md section 1 dimensions) built in memory and run end to end on one device.
+"""The full-size model (docs/model.md §1 dimensions) built in memory and run end to end on one device.
 
 It shows that full size is feasible with the model as written: weights go to the device one layer at a time,
 all 48 layers' NVFP4 experts stay resident (dequantised inside the matmuls), and the n-gram table stays on

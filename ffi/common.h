@@ -132,7 +132,7 @@ struct NgramSegment {
 
 constexpr int kMaxNgramHeads = 64;
 
-// The hash constants and shapes of one PLE call (SPEC 6). Plain data: the CUDA host step keeps a copy.
+// The hash constants and shapes of one PLE call (docs/model.md §6). Plain data: the CUDA host step keeps a copy.
 struct PleParams {
   int64_t batch = 0, tokens = 0;  // B, T
   int64_t eos = 0, vocab = 0;
@@ -193,7 +193,7 @@ std::shared_ptr<NgramTable> table_create(const std::vector<NgramSegment>& segmen
 std::shared_ptr<NgramTable> table_get(int64_t id);
 bool table_release(int64_t id);
 
-// One PLE step on host memory (SPEC 6.2). ctx_in and ctx_out may be the same buffer. table may be null (then
+// One PLE step on host memory (docs/model.md §6.2). ctx_in and ctx_out may be the same buffer. table may be null (then
 // rows is not written). Returns the status and writes the detail.
 int32_t ple_compute(const PleParams& p, const int32_t* tokens, const int32_t* lengths, const int32_t* reset,
                     const int32_t* ctx_in, int32_t* ctx_out, int32_t* ids, const NgramTable* table, uint8_t* rows,

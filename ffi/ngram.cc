@@ -1,4 +1,5 @@
-// The PLE n-gram table (memory-mapped shard files) and the host PLE step: n-gram ids (SPEC 6.2) and row gather.
+// The PLE n-gram table (memory-mapped shard files) and the host PLE step: n-gram ids (docs/model.md §6.2)
+// and row gather.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

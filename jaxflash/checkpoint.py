@@ -1,7 +1,7 @@
 """Read qwen4_exp checkpoints: safetensors parsed by hand and memory-mapped, both layouts, ModelOpt quantization.
 
 Why not the `safetensors` package: its numpy backend has no float8 dtypes, and the released NVFP4 checkpoint
-stores F8_E4M3 scales and an FP8 n-gram table. The format is small (SPEC: "u64 little-endian header length N,
+stores F8_E4M3 scales and an FP8 n-gram table. The format is small (safetensors: "u64 little-endian header length N,
 N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {...}}, then the data"), so
 we parse it here and hand out read-only numpy views of an mmap of each file. Nothing is copied until the caller
 copies it, so loading the 123 GiB checkpoint never holds two copies, and the n-gram table (48 GiB in FP8) is
@@ -13,7 +13,7 @@ The prefix on disk is "model.language_model." in the released multimodal layout 
 model in `text_config`; the vision tower `model.visual.*` is never read) and "model." in the text-only layout
 that transformers' `Qwen4ExpForCausalLM.save_pretrained` writes (which drops `mtp.*`).
 
-Quantization (SPEC.md section 13) comes from `quantization_config` in config.json (top level or inside
+Quantization (docs/model.md §12) comes from `quantization_config` in config.json (top level or inside
 `text_config`) or the legacy `hf_quant_config.json`; `QuantConfig` answers "which algorithm applies to module X".
 
 `expected_tensors(config, quant)` lists every tensor the text model and the MTP head need, with shape and dtype:
@@ -466,7 +466,7 @@ def _decoder_layer_tensors(p: str, c: ModelConfig, layer_type: str, ple_index: i
     def linear(module, out_f, in_f):
         t.update(_linear_tensors(p + module, out_f, in_f, q(p + module), dense))
 
-    if ple_index is not None:  # SPEC 6
+    if ple_index is not None:  # docs/model.md §6
         e = p + "ple.ple_embedding."
         rows, parts, dim = c.ngram_table_rows(ple_index), c.split_ngram_parts, c.ngram_head_dim
         if rows % parts:
@@ -491,7 +491,7 @@ def _decoder_layer_tensors(p: str, c: ModelConfig, layer_type: str, ple_index: i
         t[p + "ple.conv1d.weight"] = TensorSpec((W, 1, c.ple_conv_kernel_size), dense)
 
     t.update(_hc_tensors(p + "attn_hyper_connection", c, True, dense))
-    if layer_type == "linear_attention":  # SPEC 7
+    if layer_type == "linear_attention":  # docs/model.md §7
         a = "linear_attn."
         linear(a + "in_proj_qkv", c.linear_conv_dim, H)
         linear(a + "in_proj_z", c.linear_value_dim, H)
@@ -502,7 +502,7 @@ def _decoder_layer_tensors(p: str, c: ModelConfig, layer_type: str, ple_index: i
         t[p + a + "A_log"] = TensorSpec((c.linear_num_value_heads,), dense)
         t[p + a + "norm.weight"] = TensorSpec((c.linear_value_head_dim,), dense)
         linear(a + "out_proj", H, c.linear_value_dim)
-    else:  # SPEC 8, 9
+    else:  # docs/model.md §8, §9
         a = "self_attn."
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         linear(a + "q_proj", 2 * nh * hd, H)
@@ -517,7 +517,7 @@ def _decoder_layer_tensors(p: str, c: ModelConfig, layer_type: str, ple_index: i
             t[p + a + "indexer.k_layernorm.weight"] = TensorSpec((c.indexer_head_dim,), dense)
 
     t.update(_hc_tensors(p + "mlp_hyper_connection", c, True, dense))
-    m = "mlp."  # SPEC 10
+    m = "mlp."  # docs/model.md §10
     linear(m + "gate", c.num_experts, H)
     linear(m + "shared_expert_gate", 1, H)
     linear(m + "shared_expert.gate_proj", c.shared_expert_intermediate_size, H)
@@ -546,7 +546,7 @@ def expected_tensors(config: ModelConfig, quant: QuantConfig | None = None, *, m
         t.update(_decoder_layer_tensors(f"layers.{i}.", c, lt, ple_index, quant, dense_dtype))
     t.update(_hc_tensors("hyper_connection_mixer", c, False, dense_dtype))
     t.update(_linear_tensors("lm_head", V, H, quant.scheme("lm_head"), dense_dtype))
-    if mtp if mtp is not None else c.mtp_num_hidden_layers > 0:  # SPEC 11
+    if mtp if mtp is not None else c.mtp_num_hidden_layers > 0:  # docs/model.md §11
         t["mtp.pre_fc_norm_embedding.weight"] = TensorSpec((H,), dense_dtype)
         t["mtp.pre_fc_norm_hidden.weight"] = TensorSpec((W,), dense_dtype)
         t.update(_linear_tensors("mtp.fc_embedding", H, H, quant.scheme("mtp.fc_embedding"), dense_dtype))
@@ -648,7 +648,7 @@ class Checkpoint:
         """Open a checkpoint directory (single `model.safetensors` or shards + `model.safetensors.index.json`).
 
         Reads only headers and the three tiny PLE buffers; with `validate`, checks every expected tensor's presence,
-        shape and dtype (SPEC 2, 11, 13) and the PLE hash buffers against the config.
+        shape and dtype (docs/model.md §2, §11, §12) and the PLE hash buffers against the config.
         """
         directory = os.fspath(path)
         if os.path.isfile(directory):
@@ -775,7 +775,7 @@ class Checkpoint:
                                   "\n  ".join(problems[:20]) + more)
 
     def check_ple_buffers(self) -> None:
-        """The I64 hash buffers of each PLE layer must equal what the config derives (SPEC 6.1)."""
+        """The I64 hash buffers of each PLE layer must equal what the config derives (docs/model.md §6.1)."""
         for k, layer in enumerate(self.config.ple_layers):
             e = f"layers.{layer}.ple.ple_embedding."
             for buf, want in (("layer_multipliers", self.config.ngram_multipliers(k)),

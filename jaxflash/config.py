@@ -1,6 +1,6 @@
 """Model configuration: read config.json in either published layout and validate it.
 
-Two layouts exist (SPEC.md section 2):
+Two layouts exist (docs/model.md §2):
   * the released multimodal checkpoint: `Qwen4ExpForConditionalGeneration`, the text model's fields nested in
     `text_config`, tensors under `model.language_model.`, plus `model.visual.*` and `mtp.*`;
   * the text-only checkpoint that transformers' `Qwen4ExpForCausalLM.save_pretrained` writes: fields at the top
@@ -38,7 +38,7 @@ def _field_error(name: str, value: Any, why: str) -> ConfigError:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# PLE hash constants (SPEC.md section 6.1). They depend only on the config, so they live here.
+# PLE hash constants (docs/model.md §6.1). They depend only on the config, so they live here.
 # ---------------------------------------------------------------------------------------------------------------
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
@@ -78,7 +78,7 @@ class ModelConfig:
     num_hidden_layers: int
     layer_types: tuple[str, ...]
     eos_token_id: int | None  # the first eos id: drives PLE padding and EOS segments
-    # attention (SPEC 8)
+    # attention (docs/model.md §8)
     num_attention_heads: int = 16
     num_key_value_heads: int = 2
     head_dim: int = 256
@@ -88,23 +88,23 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
-    # Gated DeltaNet (SPEC 7)
+    # Gated DeltaNet (docs/model.md §7)
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     output_gate_type: str = "sigmoid"
-    # MoE (SPEC 10)
+    # MoE (docs/model.md §10)
     num_experts: int = 512
     num_experts_per_tok: int = 10
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     norm_topk_prob: bool = True
-    # gated residual (SPEC 5)
+    # gated residual (docs/model.md §5)
     hc_count: int = 4
     hc_lowrank: int = 320
-    # PLE (SPEC 6); ple_layer_ids are 1-indexed as in config.json
+    # PLE (docs/model.md §6); ple_layer_ids are 1-indexed as in config.json
     ple_layer_ids: tuple[int, ...] = ()
     ple_embed_dim: int | None = None  # None: hidden_size
     ple_conv_kernel_size: int = 4
@@ -114,13 +114,13 @@ class ModelConfig:
     make_ngram_vocab_size_divisible_by: int = 128
     split_ngram_parts: int = 512
     seed: int = 1234
-    # QSA indexer (SPEC 9); all None means QSA is off
+    # QSA indexer (docs/model.md §9); all None means QSA is off
     indexer_n_heads: int | None = None
     indexer_kv_heads: int | None = None
     indexer_head_dim: int | None = None
     indexer_budget: int | None = None
     indexer_compress_ratio: int | None = None
-    # MTP (SPEC 11)
+    # MTP (docs/model.md §11)
     mtp_num_hidden_layers: int = 0
     # every id that ends generation (config's eos list); eos_token_id is its first element
     eos_token_ids: tuple[int, ...] = field(default=())
@@ -192,7 +192,7 @@ class ModelConfig:
         return (self.ple_conv_kernel_size - 1) * self.ple_conv_dilation
 
     def ngram_multipliers(self, ple_index: int = 0) -> tuple[int, ...]:
-        """The odd hash multipliers m_k of PLE module `ple_index` (SPEC 6.1)."""
+        """The odd hash multipliers m_k of PLE module `ple_index` (docs/model.md §6.1)."""
         half_bound = max(1, ((1 << 63) - 1) // max(self.vocab_size, 1) // 2)
         base = self.seed + 10007 * ple_index
         return tuple(

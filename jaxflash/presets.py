@@ -1,4 +1,4 @@
-"""Model sizes: the real model (`full`, SPEC.md section 1) and two small ones for tests, benchmarks and the
+"""Model sizes: the real model (`full`, docs/model.md §1) and two small ones for tests, benchmarks and the
 bundled default model. Every preset has every block of the real model: GDN and attention layers in the 3:1
 pattern, QSA, PLE at decoder layer 1, shared + routed experts and an MTP layer."""
 

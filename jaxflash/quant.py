@@ -1,6 +1,6 @@
 """NVFP4 and FP8 numerics on the host (numpy + ml_dtypes), bit-compatible with NVIDIA ModelOpt's exports.
 
-Three formats appear in qwen4_exp checkpoints (SPEC.md section 13):
+Three formats appear in qwen4_exp checkpoints (docs/model.md §12):
 
 * NVFP4 (routed experts): two 4-bit E2M1 codes per byte, one FP8-E4M3 scale per 16 consecutive input elements,
   and one float32 per-tensor scale:  W[n, k] = E2M1(code[n, k]) * f32(weight_scale[n, k // 16]) * weight_scale_2.

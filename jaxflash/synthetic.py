@@ -3,8 +3,8 @@
 `write_checkpoint` writes exactly the tensors `jaxflash.checkpoint.expected_tensors` lists, in one of:
   * "release" + bf16:  `Qwen4ExpForConditionalGeneration` config (text_config + a tiny vision_config), tensors under
     `model.language_model.`, a few `model.visual.*` tensors, `mtp.*`, the n-gram table as BF16 shards;
-  * "release" + nvfp4: NVIDIA's ModelOpt MIXED_PRECISION layout (SPEC 13): routed experts NVFP4, the n-gram table
-    FP8 shards + one global scale, MTP experts FP8 128x128 blocks, everything else BF16;
+  * "release" + nvfp4: NVIDIA's ModelOpt MIXED_PRECISION layout (docs/model.md §12): routed experts NVFP4, the
+    n-gram table FP8 shards + one global scale, MTP experts FP8 128x128 blocks, everything else BF16;
   * "text": what transformers' `Qwen4ExpForCausalLM.save_pretrained` writes (prefix `model.`, no vision, no MTP).
 
 Memory stays bounded whatever the size: the tensor list is known before any data exists, so each shard's header is
@@ -150,7 +150,7 @@ def _init_vision(name: str, shape: tuple[int, ...], rng: np.random.Generator) ->
 
 
 def ple_buffer(name: str, c: ModelConfig, ple_index: int = 0) -> np.ndarray:
-    """The three I64 hash buffers of a PLE layer, derived from the config (SPEC 6.1)."""
+    """The three I64 hash buffers of a PLE layer, derived from the config (docs/model.md §6.1)."""
     last = name.split(".")[-1]
     values = {"layer_multipliers": c.ngram_multipliers, "ngram_heads_vocab_sizes": c.ngram_head_vocab_sizes,
               "ngram_heads_offsets": c.ngram_head_offsets}[last](ple_index)
@@ -172,7 +172,7 @@ FULL_VISION_IDS = {"vision_start_token_id": 248053, "vision_end_token_id": 24805
 
 
 def release_quant_config(c: ModelConfig) -> QuantConfig:
-    """NVIDIA's NVFP4 MIXED_PRECISION config (SPEC 13): NVFP4 routed experts, FP8 n-gram table, FP8_PB_WO MTP
+    """NVIDIA's NVFP4 MIXED_PRECISION config (docs/model.md §12): NVFP4 routed experts, FP8 n-gram table, FP8_PB_WO MTP
     experts; every other linear is listed in `ignore` and stays BF16."""
     P = RELEASE_PREFIX
     layers = {f"{P}layers.{i}.mlp.experts": QuantScheme("NVFP4", 16) for i in range(c.num_hidden_layers)}
@@ -219,7 +219,7 @@ def text_config_dict(c: ModelConfig, layout: str) -> dict:
     d = c.to_text_config_dict()
     d["model_type"] = "qwen4_exp_text"
     if d.get("seed") == 1234:
-        del d["seed"]  # the released config.json leaves the hash seed at its default (SPEC 1)
+        del d["seed"]  # the released config.json leaves the hash seed at its default (docs/model.md §1)
     if layout == "release":
         # The released config spells the indexed attention layers "full_attention" (transformers maps them).
         d["layer_types"] = ["full_attention" if t == FULL_ATTENTION else t for t in c.layer_types]

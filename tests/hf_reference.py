@@ -183,7 +183,7 @@ def near_ties(model: Qwen4ExpForCausalLM, tokens, tol: float = 1e-6) -> int:
 
 def mtp_reference(model: Qwen4ExpForCausalLM, mtp_layer, mtp_tensors: dict, hidden: np.ndarray,
                   next_tokens) -> np.ndarray:
-    """SPEC.md section 11 in float64, built from the reference's own blocks:
+    """docs/model.md §11 in float64, built from the reference's own blocks:
     e = fc_embedding(norm_H(embed(next))); x0_s = fc_hidden(norm_W(hm)_s) + e; one attention decoder layer;
     mtp mixer; lm_head. `mtp_layer` is a Qwen4ExpTextDecoderLayer holding mtp.layers.0."""
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm

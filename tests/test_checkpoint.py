@@ -398,7 +398,7 @@ def test_progress_counts_bytes(dirs, capsys):
 
 
 def test_extra_tensors_are_tolerated(dirs, tmp_path):
-    # SPEC 11: the MTP mixer may carry a block_inject_weight that nothing uses
+    # docs/model.md §11: the MTP mixer may carry a block_inject_weight that nothing uses
     def add(t):
         t["mtp.hyper_connection_mixer.block_inject_weight.weight"] = np.zeros((4, 256), ml_dtypes.bfloat16)
         t["something.else"] = np.zeros(2, np.float32)

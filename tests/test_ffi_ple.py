@@ -167,7 +167,7 @@ def test_fp8_sharded_table(tmp_path):
 
 
 def test_full_model_hash_constants():
-    """Multipliers and head sizes of the real config (SPEC 6.1) reach the handler unchanged."""
+    """Multipliers and head sizes of the real config (docs/model.md §6.1) reach the handler unchanged."""
     h = F.NgramHash.from_config(presets.full())
     assert h.multipliers == (23703573157769, 20109073645365, 8052911324071)
     assert h.head_sizes[0] == 20000003 and h.head_sizes[-1] == 20000171 and h.heads == 16

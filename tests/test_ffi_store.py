@@ -26,7 +26,7 @@ H, I = 64, 32
 
 
 def _nvfp4_expert(rng):
-    """Random per-expert NVFP4 tensors keyed by suffix (shapes of SPEC 13 at H=64, I=32)."""
+    """Random per-expert NVFP4 tensors keyed by suffix (shapes of docs/model.md §12 at H=64, I=32)."""
     t = {}
     for p, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
         t[f"{p}.weight"] = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
@@ -55,7 +55,7 @@ def _write_nvfp4_checkpoint(tmp_path, layers, num_experts, seed=0):
 
 def test_layout_sizes_of_the_full_model():
     layout = F.ExpertLayout("nvfp4", 2560, 640)
-    assert layout.record_bytes == 2_765_056  # gate+up+down NVFP4 incl. scales: the ~2.76 MB of DESIGN.md
+    assert layout.record_bytes == 2_765_056  # gate+up+down NVFP4 incl. scales: the ~2.76 MB of docs/engine.md
     assert all(s.offset % 256 == 0 for s in layout.sections.values())
     bf = F.ExpertLayout("bf16", 2560, 640)
     assert bf.record_bytes == 3 * 2560 * 640 * 2

@@ -175,7 +175,7 @@ def test_tokenizer_and_chat_template(made):
 
 
 def test_full_preset_plan():
-    """`full` has SPEC section 1's sizes (not written here: ~123 GiB); the n-gram table can be shrunk."""
+    """`full` has docs/model.md §1's sizes (not written here: ~123 GiB); the n-gram table can be shrunk."""
     c = synthetic.make_config("full")
     assert (c.hidden_size, c.num_hidden_layers, c.num_experts, c.vocab_size) == (2560, 48, 512, 248320)
     assert c.ngram_table_rows() == 320001536 and c.split_ngram_parts == 128

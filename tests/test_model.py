@@ -191,7 +191,7 @@ def test_nvfp4_experts(ref):
 
 
 def test_mtp_head(ref, engine):
-    """The MTP head against an independent float64 implementation of SPEC section 11."""
+    """The MTP head against an independent float64 implementation of docs/model.md §11."""
     hcfg, model, _ = ref
     layer, mtp_tensors = random_mtp(model, seed=7)
     tensors = checkpoint_tensors(model) | mtp_tensors

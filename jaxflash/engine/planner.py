@@ -1,10 +1,11 @@
 """The memory planner: where the experts live and how the rest of the VRAM budget is split.
 
-Rules (DESIGN.md): all routed experts in VRAM when they fit the budget beside everything else; otherwise all
-of them on the host, with the VRAM they would have used given to a per-layer LRU cache of expert slots (never
-a partial residency). The budget is the smaller of `vram_budget` and the memory the device reports free. The
-planner reserves, in order: the dense weights, a compute workspace, per-sequence state, the KV cache for
-`max_batch` sequences of `max_seq_len` tokens, the prefill staging area, and gives the rest to the cache.
+Rules (docs/engine.md, "Memory plan"): all routed experts in VRAM when they fit the budget beside everything
+else; otherwise all of them on the host, with the VRAM they would have used given to a per-layer LRU cache of
+expert slots (never a partial residency). The budget is the smaller of `vram_budget` and the memory the device
+reports free. The planner reserves, in order: the dense weights, a compute workspace, per-sequence state, the
+KV cache for `max_batch` sequences of `max_seq_len` tokens, the prefill staging area, and gives the rest to
+the cache.
 Every decision is logged with its numbers; what cannot fit raises PlanError before anything is allocated.
 """
 

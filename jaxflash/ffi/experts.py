@@ -3,7 +3,7 @@
 Record layout (one expert; sections in this order, each starting at a multiple of 256 bytes, the record size a
 multiple of 256 so 16-byte vector copies always line up). H = hidden_size, I = moe_intermediate_size.
 
-  NVFP4 (SPEC 13; bytes exactly as on disk, scales still linear/unswizzled):
+  NVFP4 (docs/model.md §12; bytes exactly as on disk, scales still linear/unswizzled):
     gate_up_weight  uint8          [2I, H/2]   gate rows, then up rows; two E2M1 codes per byte, low nibble first
     down_weight     uint8          [H, I/2]
     gate_up_scale   float8_e4m3fn  [2I, H/16]  gate rows, then up rows

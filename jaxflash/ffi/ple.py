@@ -1,7 +1,7 @@
-"""The PLE host step (SPEC 6): n-gram ids of a step's tokens and their rows from the memory-mapped table.
+"""The PLE host step (docs/model.md §6): n-gram ids of a step's tokens and their rows from the memory-mapped table.
 
 Per sequence b the context ctx[b] = the last two token ids seen (initially [eos, eos]); the step hashes
-hist = [ctx[b], tokens[b, :lengths[b]]] exactly as SPEC 6.2 says (shift k valid iff no EOS in [t-k, t-1],
+hist = [ctx[b], tokens[b, :lengths[b]]] exactly as docs/model.md §6.2 says (shift k valid iff no EOS in [t-k, t-1],
 invalid shifts and padded positions read as EOS) into 16 ids per token, gathers each id's row from the table
 and returns the new context. reset[b] != 0 starts sequence b afresh (context [eos, eos]) -- a new request in
 a batch slot. Rows come back in the table's dtype (float8_e4m3fn for the FP8 release: multiply by the global
@@ -43,7 +43,7 @@ class PleError(ExpertCacheError):
 
 @dataclass(frozen=True)
 class NgramHash:
-    """The static hash constants of one PLE module (SPEC 6.1), as attributes of the custom call."""
+    """The static hash constants of one PLE module (docs/model.md §6.1), as attributes of the custom call."""
 
     eos: int
     vocab: int

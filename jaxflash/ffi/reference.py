@@ -86,7 +86,8 @@ class LruModel:
 
 def ngram_ids_reference(tokens, context, *, eos: int, multipliers, head_sizes, head_offsets, lengths=None,
                         reset=None):
-    """SPEC 6.2 for tokens [B, T] and context [B, 2]: returns (ids [B, T, heads] int64, new context [B, 2])."""
+    """docs/model.md §6.2 for tokens [B, T] and context [B, 2]: returns (ids [B, T, heads] int64, new context
+    [B, 2])."""
     tokens = np.asarray(tokens, np.int64)
     B, T = tokens.shape
     lengths = [T] * B if lengths is None else [int(x) for x in lengths]

@@ -1,4 +1,4 @@
-"""Gated DeltaNet, the linear-attention mixer of 3 layers in 4 (SPEC.md section 7).
+"""Gated DeltaNet, the linear-attention mixer of 3 layers in 4 (docs/model.md §7).
 
 Per value head h the state S_h [dk, dv] evolves as
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t

@@ -1,4 +1,4 @@
-"""The 4-stream gated residual (SPEC.md section 5).
+"""The 4-stream gated residual (docs/model.md §5).
 
 The residual `h` [T, W=S*H] holds S streams side by side. Before each block, every stream is RMS-normalised,
 elementwise sigmoid gates from a rank-R bottleneck weight the normalised streams, and their mean is the block

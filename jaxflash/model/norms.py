@@ -1,4 +1,4 @@
-"""Norms (SPEC.md section 4). All normalise in (at least) float32 and cast back to the input dtype."""
+"""Norms (docs/model.md §4). All normalise in (at least) float32 and cast back to the input dtype."""
 
 from __future__ import annotations
 

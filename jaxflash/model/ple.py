@@ -1,4 +1,4 @@
-"""PLE: the hashed n-gram embedding added to the residual before decoder layer 1 (SPEC.md section 6).
+"""PLE: the hashed n-gram embedding added to the residual before decoder layer 1 (docs/model.md §6).
 
 Each token's bigram and trigram (raw token ids, cut at EOS) are hashed into 16 heads of a huge table; the
 16 rows form a [16 * d] embedding that gates a shared value per residual stream, followed by a dilated

@@ -1,4 +1,4 @@
-"""QSA block indexer (SPEC.md section 9): which earlier tokens each query of a full-attention layer may see.
+"""QSA block indexer (docs/model.md §9): which earlier tokens each query of a full-attention layer may see.
 
 Keys are mean-pooled over blocks of `r` (=indexer_compress_ratio) consecutive tokens, aligned to the sequence's
 first token. Each query scores every complete block it can see, keeps the top `block_topk` blocks, and always

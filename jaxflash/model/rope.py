@@ -1,4 +1,4 @@
-"""Partial rotary position embedding (SPEC.md section 8): NeoX rotate-half on the first `rotary_dim` dims.
+"""Partial rotary position embedding (docs/model.md §8): NeoX rotate-half on the first `rotary_dim` dims.
 
 Text-only input has equal MRoPE rows, so it reduces to plain 1-D RoPE. Angles are float32, as in the reference.
 """
