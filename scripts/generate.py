@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         return 2
     end = time.perf_counter()
     sys.stdout.write(tok.decode(out, skip_special_tokens=True)[len(shown):] + "\n")
-    st = engine.generator.stats
+    st = engine.scheduler.stats
     rate = (len(out) - 1) / (end - first) if first and len(out) > 1 else 0.0
     hits = f", expert cache hit rate {st.hit_rate:.1%}" if st.hit_rate is not None else ""
     if st.mtp_acceptance is not None:

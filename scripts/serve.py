@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                                                else "") +
               f"\n  concurrency: {plan.max_batch} sequences, context {plan.max_seq_len} tokens, "
               f"KV cache {plan.kv_tokens} tokens\n  plan: {plan.summary()}", flush=True)
-        engine.generator  # allocate the state now, not on the first request
+        engine.scheduler  # allocate the state now, not on the first request
         return engine, tok
 
     app = create_app(load, model_name=name, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),

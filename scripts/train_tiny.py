@@ -10,7 +10,7 @@ the reStructuredText sources of the Python documentation (one document per file)
 <|endoftext|> (EOS), so PLE sees EOS segments. Held out: every 20th document in name order (`heldout.txt` in
 the work directory); the tokenizer (byte-level BPE, `tokenizers`) is trained on the rest.
 
-Model: every block of qwen4_exp at small width (SPEC.md): 6 GDN + 2 attention layers with QSA (a 64-token
+Model: every block of qwen4_exp at small width (docs/model.md): 6 GDN + 2 attention layers with QSA (a 64-token
 budget, so the 256-token training windows select blocks), 16 experts top-4 plus a shared expert, PLE at
 layer 1, the 4-stream gated residual and one MTP layer. Loss: next-token cross-entropy + 0.3 x the MTP head's
 cross-entropy (token t+2) + 0.01 x a load-balancing term (Switch Transformer's) per MoE layer.
@@ -133,8 +133,7 @@ def init_params(cfg: ModelConfig, seed: int):
 def losses(params, cfg: ModelConfig, toks, ids):
     """(total, (next-token CE, MTP CE, balance)) for windows toks [B, T+2] with n-gram ids [B, T+2, 16]."""
     t = toks.shape[1] - 2
-    stats: list = []
-    h = transformer.forward_hidden(params, cfg, toks[:, :t], ngram_ids=ids[:, :t], router_stats=stats)
+    h, routing = transformer.forward_hidden(params, cfg, toks[:, :t], ngram_ids=ids[:, :t], return_routing=True)
     x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
 
     def ce(logits, target):
@@ -142,12 +141,12 @@ def losses(params, cfg: ModelConfig, toks, ids):
         return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
 
     main = ce(transformer.lm_logits(params, x), toks[:, 1 : t + 1])
-    mtp_logits, _ = mtp_forward(params, cfg, h, toks[:, 1 : t + 1], router_stats=stats)
+    mtp_logits, _, mtp_routing = mtp_forward(params, cfg, h, toks[:, 1 : t + 1], return_routing=True)
     mtp = ce(mtp_logits, toks[:, 2 : t + 2])
     e = cfg.num_experts
     balance = jnp.mean(jnp.stack([
-        e * jnp.sum(jnp.mean(jax.nn.one_hot(idx, e).sum(1), 0) / cfg.num_experts_per_tok * jnp.mean(probs, 0))
-        for probs, idx in stats]))
+        e * jnp.sum(jnp.mean(jax.nn.one_hot(r.ids, e).sum(1), 0) / cfg.num_experts_per_tok * jnp.mean(r.probs, 0))
+        for r in (*routing, mtp_routing)]))
     return main + MTP_WEIGHT * mtp + BALANCE_WEIGHT * balance, (main, mtp, balance)
 
 
@@ -178,9 +177,8 @@ def cache_hit_rates(engine, seqs, slot_counts) -> dict[int, float]:
 
     @jax.jit
     def route_ids(params, toks, rows):
-        stats: list = []
-        transformer.forward_hidden(params, cfg, toks, ple_rows=rows, router_stats=stats)
-        return [idx for _, idx in stats]
+        _, routing = transformer.forward_hidden(params, cfg, toks, ple_rows=rows, return_routing=True)
+        return [r.ids for r in routing]
 
     traces = [[] for _ in range(cfg.num_hidden_layers)]
     for s in seqs:

@@ -80,7 +80,7 @@ def test_decode_step_logits_equal_full_forward(ref, engine):
     hcfg, model, _ = ref
     rng = np.random.default_rng(1)
     p = prompt(rng, 37, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[3, 20])  # 37: 2 full chunks + 5
-    toks, logits, _ = engine.generator.step_logits(p, steps=30)
+    toks, logits, _ = engine.scheduler.step_logits(p, steps=30)
     seq = p + toks[:-1]
     full = engine.logits(seq)[len(p) - 1 :]
     assert rel_err(logits, full) < TOL
@@ -120,10 +120,10 @@ def test_compile_count_constant_over_long_generation(ref, engine):
     rng = np.random.default_rng(4)
     p = prompt(rng, 20, ref[0].vocab_size, ref[0].eos_token_id)
     engine.generate([p], max_new_tokens=5, ignore_eos=True)
-    before = engine.generator.compile_counts()
+    before = engine.scheduler.compile_counts()
     engine.generate([p, p[:7]], max_new_tokens=100, ignore_eos=True, temperature=0.8, seed=1)
-    after = engine.generator.compile_counts()
-    assert before == after and after["_decode"] == 1 and after["_prefill"] == 1
+    after = engine.scheduler.compile_counts()
+    assert before == after and after["decode"] == 1 and after["prefill"] == 1
 
 
 def test_bad_requests_are_refused(engine):
@@ -147,10 +147,10 @@ def test_host_residency_equals_device(nvfp4_dir, on_device):
     prompts = [prompt(rng, n, cfg.vocab_size, cfg.eos_token_id, eos_at=[2]) for n in (40, 11)]
     kw = dict(max_new_tokens=30, ignore_eos=True, temperature=[0.0, 1.0], seed=7)
     assert host.generate(prompts, **kw) == on_device.generate(prompts, **kw)
-    st = host.generator.stats
+    st = host.scheduler.stats
     assert st.expert_lookups > 0 and 0 < st.expert_misses < st.expert_lookups
-    _, a, _ = host.generator.step_logits(prompts[0], 10)
-    _, b, _ = on_device.generator.step_logits(prompts[0], 10)
+    _, a, _ = host.scheduler.step_logits(prompts[0], 10)
+    _, b, _ = on_device.scheduler.step_logits(prompts[0], 10)
     assert rel_err(a, b) < TOL
     with pytest.raises(ValueError, match="on the host"):
         host.logits([1, 2, 3])
@@ -163,7 +163,7 @@ def test_constant_eviction(nvfp4_dir, on_device):
     p = prompt(np.random.default_rng(6), 50, cfg.vocab_size, cfg.eos_token_id, eos_at=[10])
     got = tiny.generate([p], max_new_tokens=40, ignore_eos=True)[0]
     assert got == on_device.generate([p], max_new_tokens=40, ignore_eos=True)[0]
-    st = tiny.generator.stats
+    st = tiny.scheduler.stats
     assert st.expert_misses > 0.5 * st.expert_lookups  # the cache really is thrashing
 
 
@@ -246,9 +246,54 @@ def test_mtp_drafts_equal_the_teacher_forced_head(on_device):
     draft equals Engine.mtp_logits over the whole sequence (which recomputes everything from position 0)."""
     cfg = on_device.config
     p = prompt(np.random.default_rng(7), 37, cfg.vocab_size, cfg.eos_token_id, eos_at=[12])  # 3 prefill chunks
-    toks, _, drafts = on_device.generator.step_logits(p, steps=12)
+    toks, _, drafts = on_device.scheduler.step_logits(p, steps=12)
     ref = on_device.mtp_logits(p + toks)  # row t: from the state at t and token t+1
     assert rel_err(drafts, ref[len(p) - 1 :]) < TOL
     on_device.generate([p], max_new_tokens=20, ignore_eos=True)
-    st = on_device.generator.stats
+    st = on_device.scheduler.stats
     assert st.mtp_drafts >= 19 and 0 <= st.mtp_acceptance <= 1
+
+
+class Replay:
+    """A RoutingSource that hands the engine precomputed expert ids [L, T, k] of one sequence in order: a
+    prefill chunk takes the next n rows (and repeats its first for the padding), a decode step the next row
+    (for every slot)."""
+
+    def __init__(self, ids):
+        self.ids, self.pos, self.calls = np.asarray(ids, np.int32), 0, 0
+
+    def take(self, n):
+        self.calls += 1
+        self.pos += n
+        return self.ids[:, self.pos - n : self.pos]
+
+    def prefill_ids(self, slot, n, width):
+        got = self.take(n)
+        return np.concatenate([got, np.repeat(got[:, :1], width - n, axis=1)], axis=1)
+
+    def decode_ids(self, batch):
+        return np.repeat(self.take(1), batch, axis=1)
+
+
+def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
+    """Routing fixed from outside (runner.RoutingSource) to exactly what the routers choose gives the same
+    tokens as the routers themselves, with every expert on the device and through the host cache."""
+    import jax.numpy as jnp
+
+    from jaxflash.model import transformer
+
+    cfg = on_device.config
+    p = prompt(np.random.default_rng(8), 14, cfg.vocab_size, cfg.eos_token_id, eos_at=[4])  # one 16-token chunk
+    out = on_device.generate([p], max_new_tokens=12, ignore_eos=True)[0]
+    seq = p + out
+    _, routing = transformer.forward_hidden(on_device.params, cfg, jnp.asarray(seq), return_routing=True)
+    ids = np.stack([np.asarray(r.ids) for r in routing])  # [L, T, k]
+    for residency in ("device", "host"):
+        src = Replay(ids)
+        eng = jaxflash.load(nvfp4_dir, expert_residency=residency, routing=src,
+                            **{**SMALL, "max_batch": 1}, **({"cache_slots": 4} if residency == "host" else {}))
+        assert eng.generate([p], max_new_tokens=12, ignore_eos=True)[0] == out, residency
+        assert src.calls >= 12
+    wrong = Replay(np.broadcast_to(np.arange(cfg.num_experts_per_tok), ids.shape))  # experts 0..k-1: wrong
+    eng = jaxflash.load(nvfp4_dir, expert_residency="device", routing=wrong, **{**SMALL, "max_batch": 1})
+    assert eng.generate([p], max_new_tokens=12, ignore_eos=True)[0] != out

@@ -328,7 +328,7 @@ def test_concurrency_with_cancellations(server):
 
     results = asyncio.run(main())
     assert results.count("cancelled") == 8 and results.count("done") == 56
-    gen = state.engine.generator
+    gen = state.engine.scheduler
     for _ in range(100):  # cancellations land within a step
         if gen.idle and len(gen.free_slots) == gen.max_batch:
             break
@@ -368,14 +368,14 @@ def test_schemathesis_finds_no_server_errors(server):
 def test_a_failing_request_ends_alone(server, oai):
     """A step that fails (here: the prefill program raising as an out-of-memory would) fails its request with a
     500; the engine keeps serving."""
-    gen = server[1].engine.generator
-    real = gen._prefill
+    runner = server[1].engine.scheduler.runner
+    real = runner.prefill
 
     def boom(*args):
-        gen._prefill = real
+        runner.prefill = real
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (simulated)")
 
-    gen._prefill = boom
+    runner.prefill = boom
     with pytest.raises(openai.InternalServerError, match="out of memory"):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
     ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,

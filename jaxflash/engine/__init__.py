@@ -1,10 +1,13 @@
 """The inference engine: load a checkpoint, plan memory, prefill and decode with per-sequence state.
 
-    core.py      Engine and load(): weights, residency, full-sequence logits
-    planner.py   where the experts live; cache slots, KV pages and context length from the memory budget
-    step.py      the compiled prefill-chunk and decode-step programs over one donated DecodeState
-    sampling.py  greedy / temperature / top-k / top-p / min-p with per-request seeds, inside the step
-    generate.py  the scheduler behind Engine.generate and Engine.generate_stream
+    core.py       Engine and load(): weights, residency, full-sequence logits
+    planner.py    where the experts live; cache slots, KV pages and context length from the memory budget
+    experts.py    the expert sources of host residency: the VRAM LRU cache (decode) and prefill staging
+    runner.py     the weights, the device state of every slot, and the compiled prefill-chunk / decode-step
+                  programs over them
+    sampling.py   greedy / temperature / top-k / top-p / min-p with per-request seeds, inside the step
+    scheduler.py  continuous batching in plain Python: admission, slots, KV pages, stop rules, events;
+                  overlapped decode
 """
 
 from .core import DEFAULT_MODEL, Engine, load

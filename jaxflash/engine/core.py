@@ -28,8 +28,9 @@ from ..model import ple as ple_mod
 from ..model import transformer
 from ..model.weights import load_params
 from . import planner as planner_mod
-from . import step as step_mod
-from .generate import Generator
+from . import runner as runner_mod
+from .experts import HostExperts
+from .scheduler import Scheduler
 
 log = logging.getLogger("jaxflash")
 
@@ -48,15 +49,17 @@ def _bucket(n: int) -> int:
 class Engine:
     def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
-                 host_experts: step_mod.HostExperts | None = None, ngram=None, mtp: bool | None = None):
+                 host_experts: HostExperts | None = None, ngram=None, mtp: bool | None = None,
+                 routing: runner_mod.RoutingSource | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
-        from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one)."""
+        from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one).
+        routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource)."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
-        self.plan, self.host_experts, self.ngram = plan, host_experts, ngram
+        self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
         if mtp and params.mtp is None:
             raise ValueError("mtp=True: this checkpoint has no MTP head")
         self.mtp = params.mtp is not None if mtp is None else mtp
-        self._generator: Generator | None = None
+        self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
         self._mtp = jax.jit(lambda p, h, nxt: mtp_mod.mtp_forward(p, config, h, nxt))
@@ -137,46 +140,54 @@ class Engine:
 
     # ----- generation -----------------------------------------------------------------------------------------
     @property
-    def generator(self) -> Generator:
-        """The scheduler and its state (KV pages, expert cache), allocated on first use."""
-        if self._generator is None:
-            self._generator = Generator(self.params, self.step_context(), self.plan, self.dtype)
-        return self._generator
+    def scheduler(self) -> Scheduler:
+        """The scheduler, its runner and their state (KV pages, expert caches), allocated on first use."""
+        if self._scheduler is None:
+            self._scheduler = Scheduler(runner_mod.Runner(self.params, self.setup()), self.plan,
+                                        self.config.vocab_size)
+        return self._scheduler
 
-    def step_context(self, skip: frozenset = frozenset()) -> step_mod.StepContext:
-        """What the compiled steps close over: config, host experts, the n-gram table, KV geometry."""
+    def setup(self) -> runner_mod.Setup:
+        """What the compiled programs are specialised on: config, KV geometry, host experts, the n-gram table."""
         if self.plan is None:
             raise ValueError("generation needs a memory plan: make the engine with jaxflash.load")
-        cfg = self.config
+        cfg, plan = self.config, self.plan
         table = hash_ = scale = None
         if cfg.ple_layer_ids:
             if self.ngram is None:
                 if self.checkpoint is None:
                     raise ValueError("generation needs the n-gram table: pass ngram=(table, scale) or a checkpoint")
                 table = ffi.NgramTable.from_checkpoint(self.checkpoint, cfg,
-                                                       max_tokens=max(self.plan.prefill_chunk, self.plan.max_batch))
+                                                       max_tokens=max(plan.prefill_chunk, plan.max_batch))
                 self.ngram = (table, self.checkpoint.read_ngram_table().scale)
             table, scale = self.ngram
             hash_ = ffi.NgramHash.from_config(cfg)
-        return step_mod.StepContext(cfg, self.host_experts, table, hash_, None if scale is None else float(scale),
-                                    self.plan.max_seq_len // self.plan.page_size, self.plan.page_size, self.mtp,
-                                    skip)
+        return runner_mod.Setup(cfg, plan.max_batch, plan.num_pages, plan.page_size,
+                                plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
+                                self.host_experts, table, hash_,
+                                None if scale is None else float(scale), self.mtp, self.routing)
 
     def generate_stream(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                         seed=None, stop=None, ignore_eos: bool = False):
         """Like generate, but yields (prompt index, token id) as tokens are produced, and (prompt index, None)
         when a prompt's generation ends."""
-        gen = self.generator
+        gen = self.scheduler
         reqs = gen.make_requests(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                                  eos_ids=self.config.eos_token_ids,
                                  ignore_eos=ignore_eos)
         if not gen.idle:
-            raise RuntimeError("the generator is serving other requests (a server owns it)")
-        for ev in gen.run(reqs):
-            if ev.request.finish == "error":
-                raise RuntimeError(f"generation failed: {ev.request.error}")
-            yield ev.request.index, ev.token
+            raise RuntimeError("the scheduler is serving other requests (a server owns it)")
+        try:
+            for ev in gen.run(reqs):
+                if ev.request.finish == "error":
+                    raise RuntimeError(f"generation failed: {ev.request.error}")
+                yield ev.request.index, ev.token
+        finally:  # closed early (or failed): stop what is left, so the scheduler is idle for the next call
+            for r in reqs:
+                gen.cancel(r)
+            while not gen.idle:
+                gen.step()
 
     def generate(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
                  stop=None, ignore_eos: bool = False) -> list[list[int]]:
@@ -238,7 +249,7 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
 def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
-         progress: bool | None = None) -> Engine:
+         progress: bool | None = None, routing: runner_mod.RoutingSource | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -248,7 +259,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
     CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: run the MTP head in every
     step, keeping its KV cache current and drafting the token after next (default: when the checkpoint has one;
-    `engine.generator.stats.mtp_acceptance` then reports how often the draft was right).
+    `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right).
+    routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
+    routing studies and benchmarks).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -296,5 +309,6 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         pool = ffi.ExpertPool.from_checkpoint(ckpt, layout, range(cfg.num_hidden_layers), cfg.num_experts)
         log.info("expert pool: %.2f GiB on the host (%s)", pool.nbytes / 2**30,
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
-        host_experts = step_mod.HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
-    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp)
+        host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
+    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp,
+                  routing=routing)

@@ -1,5 +1,5 @@
-"""Gated full attention with the QSA indexer (SPEC.md section 8): GQA, partial RoPE, q/k norms and a sigmoid
-output gate per (head, dim)."""
+"""Gated full attention with the QSA indexer (docs/model.md §8, §9): GQA, partial RoPE, q/k norms and a
+sigmoid output gate per (head, dim), over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from jax import lax
 
 from ..config import ModelConfig
 from . import qsa
-from .base import Array, linear, pytree_dataclass, up
+from .base import Array, TokenBatch, linear, pytree_dataclass, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -37,62 +37,50 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return o.reshape(t, nh, d).astype(q.dtype)
 
 
-def attention(p: Attention, cfg: ModelConfig, x: Array, positions: Array) -> Array:
-    """Full-sequence attention over x [T, H] at `positions` [T] (0-based, the sequence's own tokens)."""
-    t = x.shape[0]
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-
-    qg = linear(x, p.q_proj).reshape(t, nh, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:]
-    q = apply_rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(linear(x, p.k_proj).reshape(t, nkv, hd), p.k_norm, cfg.rms_norm_eps), cos, sin)
-    v = linear(x, p.v_proj).reshape(t, nkv, hd)
-
-    mask = positions[:, None] >= positions[None, :]
-    if p.indexer is not None:
-        q_index, raw_keys = qsa.queries_and_raw_keys(p.indexer, cfg, x, cos, sin)
-        kb = qsa.block_keys(p.indexer, cfg, raw_keys, t // cfg.indexer_compress_ratio)
-        mask &= qsa.selection_mask(cfg, q_index, kb, positions, t)
-
-    o = attend(q, k, v, mask).reshape(t, nh * hd)
-    o = o * jax.nn.sigmoid(up(gate.reshape(t, nh * hd))).astype(o.dtype)
-    return linear(o, p.o_proj)
-
-
-# ----- the stateful form: a paged KV cache (the engine's prefill chunks and decode steps) ----------------------
 @pytree_dataclass
 class PagedKV:
     """One attention layer's KV cache, shared by all sequences: P pages of `page` token rows. A sequence owns
     the pages its row of the page table [max_pages] names; token position s lives in page table[s // page] at
-    row s % page. QSA's raw indexer keys are cached beside K and V (block keys are pooled from them)."""
+    row s % page. QSA's raw indexer keys are cached beside K and V (block keys are pooled from them).
+    Page ids outside [0, P) in a page table mark pages a sequence does not own: writes there are dropped.
+    A fresh full-sequence forward uses one page of T rows per sequence (`fresh`)."""
 
     k: Array  # [P, page, n_kv, head_dim]
     v: Array  # [P, page, n_kv, head_dim]
     index_keys: Array | None  # [P, page, dI]
 
+    @staticmethod
+    def empty(cfg: ModelConfig, num_pages: int, page_size: int, dtype, indexer: bool) -> PagedKV:
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        ik = jnp.zeros((num_pages, page_size, cfg.indexer_head_dim), dtype) if indexer else None
+        return PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), index_keys=ik)
+
 
 def write_pages(pages: Array, page_table: Array, positions: Array, valid: Array, values: Array) -> Array:
-    """Store values [B, T, ...] at token positions [B, T] of each sequence; invalid rows are dropped."""
+    """Store values [B, T, ...] at token positions [B, T] of each sequence; invalid rows, and rows past the
+    pages a sequence owns, are dropped."""
     n_pages, size = pages.shape[:2]
-    slot = jnp.take_along_axis(page_table, jnp.clip(positions // size, 0, page_table.shape[1] - 1), axis=1)
-    slot = jnp.where(valid, slot, n_pages)  # out of range: dropped by the scatter
+    col = positions // size
+    slot = jnp.take_along_axis(page_table, jnp.clip(col, 0, page_table.shape[1] - 1), axis=1)
+    keep = valid & (col < page_table.shape[1]) & (slot >= 0) & (slot < n_pages)
+    slot = jnp.where(keep, slot, n_pages)  # out of range: dropped by the scatter
     return pages.at[slot, positions % size].set(values.astype(pages.dtype), mode="drop")
 
 
 def read_pages(pages: Array, table_row: Array) -> Array:
-    """A sequence's whole cache [max_pages * page, ...] in position order (rows past its length are stale)."""
-    got = pages[table_row]
+    """A sequence's whole cache [max_pages * page, ...] in position order (rows past its length are stale, and
+    pages it does not own read as some other page: the causal mask hides both)."""
+    got = pages[jnp.clip(table_row, 0, pages.shape[0] - 1)]
     return got.reshape(-1, *pages.shape[2:])
 
 
-def attention_paged(p: Attention, cfg: ModelConfig, x: Array, positions: Array, valid: Array, kv: PagedKV,
-                    page_table: Array) -> tuple[Array, PagedKV]:
-    """Attention for new tokens x [B, T, H] at absolute `positions` [B, T] (valid [B, T] marks real tokens),
-    after their keys and values join each sequence's pages. Returns ([B, T, H], updated cache). Equal to
-    `attention` over the whole sequence: same masks, QSA blocks pooled from the cached raw keys."""
+def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: PagedKV) -> tuple[Array, PagedKV]:
+    """Attention for the new tokens x [B, T, H] of `batch`, after their keys and values join each sequence's
+    pages. Returns ([B, T, H], updated cache). Each query sees every cached key at or before its position,
+    narrowed by QSA's block selection (blocks pooled from the cached raw indexer keys)."""
     b, t = x.shape[:2]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    positions, valid, page_table = batch.positions, batch.valid, batch.page_table
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)  # [B, T, rd]
 
     qg = linear(x, p.q_proj).reshape(b, t, nh, 2 * hd)

@@ -12,10 +12,19 @@ Array = jax.Array
 
 
 def pytree_dataclass(cls):
-    """A frozen dataclass whose fields are all pytree children (weights, or None for absent parts)."""
+    """A frozen dataclass registered as a pytree. Its fields are children (arrays, or None for absent parts),
+    except those declared with `static()`: those are part of the tree's structure (Python values a compiled
+    program is specialised on, such as a layer count or a handle to a host-side pool)."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+    fields = dataclasses.fields(cls)
+    meta = [f.name for f in fields if f.metadata.get("static")]
+    data = [f.name for f in fields if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(default=dataclasses.MISSING):
+    """A pytree_dataclass field that is structure, not data (hashable; fixed for a compiled program)."""
+    return dataclasses.field(default=default, metadata={"static": True})
 
 
 def acc_dtype(dtype) -> jnp.dtype:
@@ -43,3 +52,25 @@ def linear(x: Array, w: Array) -> Array:
 
 def silu(x: Array) -> Array:
     return x * jax.nn.sigmoid(x)
+
+
+@pytree_dataclass
+class TokenBatch:
+    """Where the new tokens [B, T] of B sequences go: a sequence that already holds `lengths[b]` tokens of
+    state (KV, recurrent, conv) takes the first n_new[b] entries of its row as its next tokens; the rest of the
+    row is padding. A fresh full-sequence forward is the case lengths = 0, n_new = T."""
+
+    positions: Array  # [B, T] int32: absolute position of each entry (lengths[b] + column)
+    valid: Array  # [B, T] bool: real tokens (a prefix of each row)
+    page_table: Array  # [B, max_pages] int32: the KV pages of each sequence (see attention.PagedKV)
+
+    @staticmethod
+    def after(lengths: Array, n_new: Array, width: int, page_table: Array) -> TokenBatch:
+        cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+        return TokenBatch(positions=lengths[:, None].astype(jnp.int32) + cols, valid=cols < n_new[:, None],
+                          page_table=page_table)
+
+    @property
+    def n_new(self) -> Array:
+        """[B] int32: real tokens per row."""
+        return jnp.sum(self.valid, axis=1, dtype=jnp.int32)

@@ -1,4 +1,4 @@
-"""Sparse MoE with a shared expert (SPEC.md section 10).
+"""Sparse MoE with a shared expert (docs/model.md §10).
 
 Routed experts are stored either dense ([E, out, in], BF16/F32 checkpoints) or as NVFP4 (`NVFP4` below,
 dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Three ways to run them:
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, up
+from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, up
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -207,25 +207,63 @@ def tiled_with_fetch(fetch, carry, x: Array, idx: Array, w: Array, num_experts: 
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled}
 
 
-def moe(p: MoE, cfg: ModelConfig, x: Array, impl: str = "auto", router_stats: list | None = None,
-        routed=None) -> Array:
-    """MoE block over tokens x [N, H] -> [N, H] in x's dtype. impl: "gather", "tiled", "ragged" or "auto"
-    (gather while the tokens' expert uses are fewer than the experts, tiled beyond). With a list as
-    `router_stats`, (router probabilities [N, E], chosen ids [N, k]) is appended to it (for training losses).
-    `routed(x, idx, w) -> [N, H] float32` replaces the routed-expert computation (the engine's expert cache)."""
-    probs = router_probs(p, x)
-    w, idx = route(p, cfg, x, probs)
-    if router_stats is not None:
-        router_stats.append((probs, idx))
-    if routed is None:
+@pytree_dataclass
+class Routing:
+    """What the router chose for N tokens (returned for training losses and routing statistics)."""
+
+    probs: Array  # [N, E] float32 softmax over the experts
+    ids: Array  # [N, k] int32 chosen experts
+    weights: Array  # [N, k] their (renormalised) weights, x's dtype
+
+
+# An expert source is where a layer's routed experts come from. It is a pytree value passed into the layer and
+# returned updated (its state, such as a VRAM cache, changes explicitly): a source has
+#     routed(layer, p, x, ids, w, valid) -> (sum_j w[n, j] * expert_{ids[n, j]}(x[n])  [N, H] float32, source)
+# for decoder layer `layer` (a Python int), the layer's MoE parameters p, tokens x [N, H], routed ids/weights
+# [N, k] and valid [N] (padding tokens may be routed anywhere; a source that moves experts ignores them).
+# ResidentExperts is the one for experts held in the parameters; jaxflash.engine.experts has the host-pool ones.
+@pytree_dataclass
+class ResidentExperts:
+    """Routed experts held in the parameters (every expert in device memory). impl: "gather", "tiled",
+    "ragged", or "auto" (gather while the tokens' expert uses are fewer than the experts, tiled beyond)."""
+
+    impl: str = static("auto")
+
+    def routed(self, layer: int, p: MoE, x: Array, ids: Array, w: Array, valid: Array):
+        if p.experts is None:
+            raise ValueError("this layer's routed experts are not in the parameters (they live in a host pool): "
+                             "pass the engine's expert source")
+        impl = self.impl
         if impl == "auto":
-            impl = "gather" if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts else "tiled"
+            impl = "gather" if ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0] else "tiled"
         if impl not in EXPERT_PATHS:
             raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
-        routed_out = EXPERT_PATHS[impl](p.experts, x, idx, w)
-    else:
-        routed_out = routed(x, idx, w)
-    shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
-                    * linear(x, p.shared_up_proj), p.shared_down_proj)
-    shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
-    return (routed_out + shared).astype(x.dtype)
+        return EXPERT_PATHS[impl](p.experts, x, ids, w), self
+
+
+def given_route(cfg: ModelConfig, probs: Array, ids: Array, dtype) -> tuple[Array, Array]:
+    """Weights [N, k] for experts chosen elsewhere (ids [N, k]): the router's probabilities of those experts,
+    renormalised like its own top-k."""
+    w = jnp.take_along_axis(probs, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(dtype), ids.astype(jnp.int32)
+
+
+def moe(p: MoE, cfg: ModelConfig, x: Array, experts, layer: int = 0, valid: Array | None = None,
+        ids: Array | None = None):
+    """MoE block over tokens x [N, H]: router top-k, the routed experts from the expert source `experts`,
+    plus the gated shared expert. Returns (y [N, H] in x's dtype, the updated source, Routing).
+    ids [N, k]: route to these experts instead of the router's top-k (fixed routing for studies and
+    benchmarks); the router still runs and gives their weights."""
+    with jax.named_scope("router"):
+        probs = router_probs(p, x)
+        w, idx = route(p, cfg, x, probs) if ids is None else given_route(cfg, probs, ids, x.dtype)
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+    with jax.named_scope("routed_experts"):
+        routed_out, experts = experts.routed(layer, p, x, idx, w, valid)
+    with jax.named_scope("shared_expert"):
+        shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
+                        * linear(x, p.shared_up_proj), p.shared_down_proj)
+        shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
+    return (routed_out + shared).astype(x.dtype), experts, Routing(probs, idx, w)

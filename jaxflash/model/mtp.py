@@ -1,5 +1,5 @@
-"""The MTP head (SPEC.md section 11): from the main model's multi-stream state at position t and the token at
-t+1, predict the token at t+2. vLLM/SGLang semantics (transformers has no MTP).
+"""The MTP head (docs/model.md §11): from the main model's multi-stream state at position t and the token at t+1,
+predict the token at t+2. vLLM/SGLang semantics (transformers has no MTP).
 
     e   = fc_embedding(norm_H(embed(tok[t+1])))
     x0  = fc_hidden(norm_W(hm)[stream s]) + e           for every stream s   (norm_W: one RMSNorm over all W)
@@ -9,13 +9,14 @@ t+1, predict the token at t+2. vLLM/SGLang semantics (transformers has no MTP).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import jax
 
 from ..config import ModelConfig
 from . import hyper_connection as hc
-from .base import Array, linear, pytree_dataclass, up
+from .base import Array, TokenBatch, linear, pytree_dataclass, up
+from .moe import ResidentExperts
 from .norms import rms_norm
-from .transformer import DecoderLayer, Params, decoder_layer, lm_logits
+from .transformer import DecoderLayer, LayerState, Params, decoder_layer, fresh, lm_logits
 
 
 @pytree_dataclass
@@ -42,20 +43,33 @@ def mtp_input(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Arra
 
 def mtp_logits(params: Params, cfg: ModelConfig, h: Array) -> Array:
     """Draft logits from the MTP layer's output state h [..., W]."""
-    x, _ = hc.mix(params.mtp.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
-    return lm_logits(params, x)
+    with jax.named_scope("mtp_head"):
+        x, _ = hc.mix(params.mtp.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
+        return lm_logits(params, x)
+
+
+def mtp_layer(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array, batch: TokenBatch,
+              state: LayerState, experts=ResidentExperts()):
+    """The MTP layer over new (state, token) pairs of `batch`: hidden [B, T, W] the main model's pre-mixer state
+    at positions t, next_tokens [B, T] the tokens at t+1; `state` is the layer's own KV cache. Returns (its
+    output state hm' [B, T, W], the updated LayerState, Routing)."""
+    with jax.named_scope("mtp"):
+        x0 = mtp_input(params, cfg, hidden, next_tokens)
+        h, state, _, routing = decoder_layer(params.mtp.layer, cfg, 0, x0, batch, state, experts)
+    return h, state, routing
 
 
 def mtp_forward(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Array,
-                moe_impl: str = "auto", router_stats: list | None = None) -> tuple[Array, Array]:
+                moe_impl: str = "auto", return_routing: bool = False):
     """hidden [..., T, W]: the main model's pre-mixer state at positions 0..T-1; next_tokens [..., T]: the
     tokens at positions 1..T. Returns (draft logits [..., T, V] for the tokens at positions 2..T+1, the MTP
-    layer's output state [..., T, W])."""
+    layer's output state [..., T, W]), and the layer's Routing when return_routing. A fresh KV cache: the
+    pairs of positions 0..T-1 are all new."""
     single = hidden.ndim == 2
     if single:
         hidden, next_tokens = hidden[None], next_tokens[None]
-    x0 = mtp_input(params, cfg, hidden, next_tokens)
-    h = decoder_layer(params.mtp.layer, cfg, x0, jnp.arange(x0.shape[1]), moe_impl=moe_impl,
-                      router_stats=router_stats)
+    batch, (state,) = fresh(cfg, (params.mtp.layer,), hidden.shape[0], hidden.shape[1], params.dtype)
+    h, _, routing = mtp_layer(params, cfg, hidden, next_tokens, batch, state, ResidentExperts(moe_impl))
     logits = mtp_logits(params, cfg, h)
-    return (logits[0], h[0]) if single else (logits, h)
+    out = (logits[0], h[0]) if single else (logits, h)
+    return (*out, routing) if return_routing else out

@@ -1,11 +1,14 @@
-"""The whole model (SPEC.md section 3): embedding, 48 decoder layers, final stream mixer, lm_head.
+"""The whole model (docs/model.md §3): embedding, the decoder layers, final stream mixer, lm_head.
 
-    h = [e, e, e, e]                                  # 4 residual streams [T, W]
-    for each layer:  (PLE at layer 1)  h += inject * Mixer(mix(h));  h += inject * MoE(mix(h))
+    h = [e, e, e, e]                                  # 4 residual streams [B, T, W]
+    for each layer:  (PLE at its layer)  h += inject * Mixer(mix(h));  h += inject * MoE(mix(h))
     logits = lm_head(final_mix(h))                    # no final norm: the mixer normalises
 
-`forward` runs sequences from position 0 and is a pure function of (params, tokens): it works under jax.jit,
-jax.vmap and jax.grad. Shapes: T tokens, W = hc_count * H.
+One function, `decoder_layer`, is the layer for every caller. It runs new tokens of B sequences on top of each
+sequence's state (paged KV for attention, conv + recurrent state for GDN, the conv state of PLE) and returns
+the updated state: the engine's prefill chunks and decode steps pass the state they keep, the full-sequence
+`forward` passes a fresh one (nothing cached, every token new). `forward` is a pure function of (params,
+tokens) and works under jax.jit, jax.vmap and jax.grad. Shapes: T tokens, H hidden, W = hc_count * H.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from ..config import ModelConfig
 from . import gated_deltanet as gdn
 from . import hyper_connection as hc
 from . import ple as ple_mod
-from .attention import Attention, attention
-from .base import Array, acc_dtype, precision_for, pytree_dataclass, up
-from .moe import MoE, moe
+from .attention import Attention, PagedKV, attention
+from .base import Array, TokenBatch, acc_dtype, precision_for, pytree_dataclass, up
+from .moe import MoE, ResidentExperts, Routing, moe
 
 
 @pytree_dataclass
@@ -44,39 +47,102 @@ class Params:
         return self.embed.dtype
 
 
+@pytree_dataclass
+class LayerState:
+    """What one decoder layer keeps between calls for a batch of sequences."""
+
+    mixer: gdn.GDNState | PagedKV  # GDN: conv [B, K-1, C] + recurrent [B, Hv, dk, dv]; attention: shared pages
+    ple_conv: Array | None = None  # PLE layer only: [B, (K-1)*dilation, W] float32
+
+
+def init_layer_state(layer: DecoderLayer, cfg: ModelConfig, batch: int, dtype, num_pages: int,
+                     page_size: int) -> LayerState:
+    """An empty state for `batch` sequences (attention: `num_pages` pages of `page_size` rows, shared)."""
+    if isinstance(layer.mixer, Attention):
+        mixer = PagedKV.empty(cfg, num_pages, page_size, dtype, layer.mixer.indexer is not None)
+    else:
+        mixer = jax.tree.map(lambda a: jnp.zeros((batch,) + a.shape, a.dtype), gdn.init_state(cfg, dtype))
+    ple_conv = None
+    if layer.ple is not None:
+        ple_conv = jnp.zeros((batch, cfg.ple_conv_state_len, cfg.hc_hidden_size), acc_dtype(dtype))
+    return LayerState(mixer, ple_conv)
+
+
 def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
     """The initial residual [..., T, W] float32: every stream starts as the token embedding."""
     e = up(params.embed[tokens])
     return jnp.concatenate([e] * cfg.hc_count, axis=-1)
 
 
-def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, h: Array, positions: Array, *,
-                  ple_rows: Array | None = None, moe_impl: str = "auto", router_stats: list | None = None) -> Array:
-    """One decoder layer over a batch of whole sequences from position 0 (fresh state). h [B, T, W].
+def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
+                  state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None):
+    """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
-    The mixers run per sequence (vmapped); the MoE runs over all B*T tokens at once.
+    experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
+    ple_rows [B, T, 16, d]: the n-gram rows of the new tokens (PLE layer only).
+    expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
+    Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
+    The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
+    as it was.
     """
     dt = layer.moe.router.dtype
     s, eps = cfg.hc_count, cfg.rms_norm_eps
     b, t, _ = h.shape
+    n_new = batch.n_new
+    ple_conv = state.ple_conv
     if layer.ple is not None:
-        conv0 = ple_mod.init_state(cfg, h.dtype).conv
-        out, _ = jax.vmap(lambda hh, rr: ple_mod.ple(layer.ple, cfg, hh, rr, conv0))(h, ple_rows)
-        h = h + out
+        with jax.named_scope("ple"):
+            out, ple_conv = jax.vmap(lambda hh, rr, cs, n: ple_mod.ple(layer.ple, cfg, hh, rr, cs, n))(
+                h, ple_rows, ple_conv, n_new)
+            h = h + out
 
-    x, inj = hc.mix(layer.attn_hc, h, s, eps)
-    x = x.astype(dt)
-    if isinstance(layer.mixer, Attention):
-        y = jax.vmap(lambda xx: attention(layer.mixer, cfg, xx, positions))(x)
-    else:
-        state0 = gdn.init_state(cfg, dt)
-        y = jax.vmap(lambda xx: gdn.gated_deltanet(layer.mixer, cfg, xx, state0)[0])(x)
-    h = hc.combine(h, inj, y)
+    is_attention = isinstance(layer.mixer, Attention)
+    with jax.named_scope("attention" if is_attention else "gdn"):
+        with jax.named_scope("hyper_connection"):
+            x, inj = hc.mix(layer.attn_hc, h, s, eps)
+        x = x.astype(dt)
+        if is_attention:
+            y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
+        else:
+            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n))(
+                x, state.mixer, n_new)
+        with jax.named_scope("hyper_connection"):
+            h = hc.combine(h, inj, y)
 
-    x, inj = hc.mix(layer.mlp_hc, h, s, eps)
-    y = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), impl=moe_impl,
-            router_stats=router_stats).reshape(b, t, -1)
-    return hc.combine(h, inj, y)
+    with jax.named_scope("moe"):
+        with jax.named_scope("hyper_connection"):
+            x, inj = hc.mix(layer.mlp_hc, h, s, eps)
+        y, experts, routing = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), experts, index,
+                                  batch.valid.reshape(-1), expert_ids)
+        with jax.named_scope("hyper_connection"):
+            h = hc.combine(h, inj, y.reshape(b, t, -1))
+    return h, LayerState(mixer, ple_conv), experts, routing
+
+
+def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
+                   ple_rows: Array | None, expert_ids: Array | None = None):
+    """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
+    states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
+    routers'). Returns (h [B, T, W] before the final mixer, the updated states, the updated expert source, a
+    Routing per layer)."""
+    h = embed(params, cfg, tokens)
+    new_states, routings = [], []
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer_{i}"):
+            h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
+                                              ple_rows if layer.ple is not None else None,
+                                              None if expert_ids is None else expert_ids[i])
+        new_states.append(st)
+        routings.append(r)
+    return h, tuple(new_states), experts, tuple(routings)
+
+
+def fresh(cfg: ModelConfig, layers, batch: int, length: int, dtype) -> tuple[TokenBatch, tuple]:
+    """The batch and states of a full-sequence forward: `batch` sequences of `length` new tokens from position
+    0, nothing cached; each sequence's attention cache is one page of `length` rows."""
+    tb = TokenBatch.after(jnp.zeros(batch, jnp.int32), jnp.full(batch, length, jnp.int32), length,
+                          jnp.arange(batch, dtype=jnp.int32)[:, None])
+    return tb, tuple(init_layer_state(l, cfg, batch, dtype, batch, length) for l in layers)
 
 
 def lm_logits(params: Params, x: Array) -> Array:
@@ -84,6 +150,13 @@ def lm_logits(params: Params, x: Array) -> Array:
     x = x.astype(params.dtype)
     return jnp.einsum("...h,vh->...v", x, params.lm_head, precision=precision_for(x.dtype),
                       preferred_element_type=acc_dtype(x.dtype))
+
+
+def final_logits(params: Params, cfg: ModelConfig, h: Array) -> Array:
+    """Logits [..., V] of the multi-stream state h [..., W]: the final stream mixer, then lm_head."""
+    with jax.named_scope("lm_head"):
+        x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
+        return lm_logits(params, x)
 
 
 def ple_rows_for(params: Params, cfg: ModelConfig, tokens: Array, ngram_ids: Array | None) -> Array | None:
@@ -108,17 +181,16 @@ def _batched(tokens: Array, *extra):
 
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, *, ple_rows: Array | None = None,
-                   ngram_ids: Array | None = None, moe_impl: str = "auto", router_stats: list | None = None) -> Array:
+                   ngram_ids: Array | None = None, moe_impl: str = "auto", return_routing: bool = False):
     """The multi-stream residual after the last layer, before the final mixer: [..., T, W] float32.
-    router_stats: a list that collects each layer's (router probabilities, expert ids) (see moe.moe)."""
+    With return_routing, returns (that, a Routing per layer) -- the router's choices, for training losses."""
     single, tokens, ple_rows, ngram_ids = _batched(tokens, ple_rows, ngram_ids)
-    positions = jnp.arange(tokens.shape[-1])
     if ple_rows is None:
         ple_rows = ple_rows_for(params, cfg, tokens, ngram_ids)
-    h = embed(params, cfg, tokens)
-    for layer in params.layers:
-        h = decoder_layer(layer, cfg, h, positions, ple_rows=ple_rows, moe_impl=moe_impl, router_stats=router_stats)
-    return h[0] if single else h
+    batch, states = fresh(cfg, params.layers, tokens.shape[0], tokens.shape[1], params.dtype)
+    h, _, _, routing = forward_layers(params, cfg, tokens, batch, states, ResidentExperts(moe_impl), ple_rows)
+    h = h[0] if single else h
+    return (h, routing) if return_routing else h
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: Array, *, ple_rows: Array | None = None,
@@ -128,8 +200,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, *, ple_rows: Array 
 
     The PLE n-gram rows come from `ple_rows` [..., T, 16, d] (a host-resident table), or are gathered from the
     device table using `ngram_ids` [..., T, 16], or hashed from the tokens when neither is given.
-    moe_impl: "gather", "ragged" or "auto"; under an outer jax.vmap use "gather".
+    moe_impl: "gather", "tiled", "ragged" or "auto"; under an outer jax.vmap use "gather" or "tiled".
     """
     h = forward_hidden(params, cfg, tokens, ple_rows=ple_rows, ngram_ids=ngram_ids, moe_impl=moe_impl)
-    x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
-    return lm_logits(params, x)
+    return final_logits(params, cfg, h)
+
+
+__all__ = ["DecoderLayer", "LayerState", "Params", "Routing", "TokenBatch", "decoder_layer", "embed",
+           "final_logits", "forward", "forward_hidden", "forward_layers", "fresh", "init_layer_state",
+           "lm_logits"]

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.generate import Request as GenRequest
+from ..engine.scheduler import Request as GenRequest
 from ..engine.sampling import SamplingParams
 from . import protocol as P
 from .grammar import GrammarError, constraint_for
@@ -86,7 +86,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         try:
             engine, tok = load()
             state.engine, state.tokenizer = engine, tok
-            state.worker = EngineWorker(engine.generator, max_waiting=max_waiting, metrics=state.metrics)
+            state.worker = EngineWorker(engine.scheduler, max_waiting=max_waiting, metrics=state.metrics)
             log.info("ready: %s", engine.plan.summary())
         except BaseException as e:  # noqa: BLE001 -- reported by /health
             state.error = f"{type(e).__name__}: {e}"
@@ -221,7 +221,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
 
     def make_request(ids: list[int], max_tokens: int | None, sampling: SamplingParams, *, logprobs=None,
                      echo_logprobs=None, constraint=None) -> GenRequest:
-        gen = state.engine.generator
+        gen = state.engine.scheduler
         try:
             ids = gen.check_prompt(ids)
         except ValueError as e:

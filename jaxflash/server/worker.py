@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.generate import Event, Request
+from ..engine.scheduler import Event, Request
 
 log = logging.getLogger("jaxflash.server")
 

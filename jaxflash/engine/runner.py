@@ -1,0 +1,456 @@
+"""The runner: the model's weights, the device state of every batch slot, and the compiled programs over them.
+
+Two programs run the model (both are the decoder layers of jaxflash.model.transformer over the state the
+runner keeps):
+  * a prefill chunk: the next C prompt tokens of one slot; when it holds the prompt's end, it samples the
+    slot's first token and starts the slot decoding;
+  * a decode step: one token for every decoding slot; the sampled token stays on the device as the next
+    step's input, so the host can dispatch step n+1 before it has read step n.
+Each is built for a fixed `Want` (which optional outputs it returns) and returns one fixed structure,
+`StepOutput`. Two small programs admit a request into a slot and release it.
+
+All state lives in one `DecodeState` that every program donates and returns, so its buffers keep their
+addresses from step to step (what lets XLA replay one captured CUDA graph). The runner holds the weights and
+the state as flat lists of arrays, flattened once: a call hands XLA those lists as they are.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import ffi
+from ..config import ModelConfig
+from ..model import mtp as mtp_mod
+from ..model.attention import PagedKV
+from ..model.base import Array, TokenBatch, pytree_dataclass, up
+from ..model.moe import ResidentExperts
+from ..model.transformer import LayerState, Params, final_logits, forward_layers, init_layer_state
+from .experts import CachedExperts, HostExperts, StagedExperts
+from .sampling import SamplingRows, sample
+
+TOP_LOGPROBS = 20  # alternatives returned per token when logprobs are asked for (OpenAI's maximum)
+
+
+# ----- state ------------------------------------------------------------------------------------------------
+@pytree_dataclass
+class SeqState:
+    """Per-slot bookkeeping, leading axis = batch slot."""
+
+    lengths: Array  # [B] int32: tokens in the cache
+    page_table: Array  # [B, max_pages] int32: the KV pages of each slot (num_pages: none)
+    ple_context: Array | None  # [B, 2] int32: the last token ids, for the n-gram hash (PLE models)
+
+
+@pytree_dataclass
+class DecodeState:
+    seqs: SeqState
+    layers: tuple  # LayerState per decoder layer: GDN rows per slot, attention pages shared through page_table
+    experts: CachedExperts | None  # host residency: the VRAM expert caches used by decode steps
+    staging: StagedExperts | None  # host residency: the staging area used by prefill chunks
+    mtp: LayerState | None  # the MTP layer's KV pages (same page table), when the model has an MTP head
+    sampling: SamplingRows
+    active: Array  # [B] bool: decoding
+    last_token: Array  # [B] int32: the token the next decode step feeds
+
+
+@dataclass(frozen=True, eq=False)
+class Setup:
+    """What the compiled programs are specialised on."""
+
+    cfg: ModelConfig
+    max_batch: int
+    num_pages: int
+    page_size: int
+    max_pages: int  # pages per sequence (max_seq_len / page_size)
+    chunk: int  # prompt tokens per prefill chunk
+    dtype: Any
+    host: HostExperts | None  # None: every routed expert in the parameters
+    table: Any = None  # ffi.NgramTable (PLE models)
+    hash: Any = None  # ffi.NgramHash
+    table_scale: float | None = None  # the FP8 table's global scale
+    mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
+    routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
+
+
+class RoutingSource:
+    """Expert ids for the runner's programs, chosen outside the model (routing studies; benchmarks that need
+    the routing statistics of real text on a model with random weights). The routers still run and weight
+    the given experts (jaxflash.model.moe.given_route). Implement both methods:"""
+
+    def decode_ids(self, batch: int):
+        """int32 [layers, batch, top_k]: the experts of each slot's token in the next decode step."""
+        raise NotImplementedError
+
+    def prefill_ids(self, slot: int, n: int, width: int):
+        """int32 [layers, width, top_k]: the experts of a prefill chunk of slot `slot`, whose first n of width
+        rows are real tokens (the rest is padding, routed anywhere)."""
+        raise NotImplementedError
+
+
+def init_state(params: Params, setup: Setup) -> DecodeState:
+    """An empty state: no slot active, every page free, empty expert caches."""
+    cfg, b = setup.cfg, setup.max_batch
+    layers = tuple(init_layer_state(l, cfg, b, setup.dtype, setup.num_pages, setup.page_size)
+                   for l in params.layers)
+    ctx = jnp.full((b, cfg.ngram_size - 1), cfg.eos_token_id, jnp.int32) if setup.table is not None else None
+    seqs = SeqState(lengths=jnp.zeros(b, jnp.int32),
+                    page_table=jnp.full((b, setup.max_pages), setup.num_pages, jnp.int32), ple_context=ctx)
+    experts = staging = None
+    if setup.host is not None:
+        experts = CachedExperts.empty(setup.host, cfg.num_hidden_layers)
+        staging = StagedExperts.empty(setup.host)
+    mtp = None
+    if setup.mtp:
+        mtp = init_layer_state(params.mtp.layer, cfg, b, setup.dtype, setup.num_pages, setup.page_size)
+    return DecodeState(seqs, layers, experts, staging, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
+                       jnp.zeros(b, jnp.int32))
+
+
+# ----- outputs ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Want:
+    """The optional parts a program is built to compute (and which its StepOutput then holds)."""
+
+    logprobs: bool = False  # log-probability and top alternatives of each sampled token
+    logits: bool = False  # the raw logits (and the MTP draft logits): tests, scoring tools
+    masks: bool = False  # decode: take per-slot token masks (grammar constraints)
+    score: bool = False  # prefill: log-probabilities of given next tokens at every chunk position
+
+
+@pytree_dataclass
+class LogProbs:
+    """Under the model's own distribution (before temperature or masks)."""
+
+    chosen: Array  # [...] log-probability of the token
+    top_ids: Array  # [..., TOP_LOGPROBS] int32
+    top: Array  # [..., TOP_LOGPROBS]
+
+
+@pytree_dataclass
+class StepOutput:
+    """What every program returns. Fields a program was not built for are None."""
+
+    tokens: Array  # decode [B] / prefill [] int32: the sampled tokens (stale for slots not decoding)
+    drafts: Array | None  # like tokens: the MTP head's greedy guess of the token after each sampled one
+    logprobs: LogProbs | None  # Want.logprobs: of the sampled tokens
+    logits: Array | None  # Want.logits: [B, V] / [V] float32
+    draft_logits: Array | None  # Want.logits with an MTP head: [B, V] / [V]
+    prompt_logprobs: LogProbs | None  # Want.score: [C] for the given next tokens of a prefill chunk
+    ple_status: Array | None  # int32[4]: the PLE host step's status words (PLE models)
+    cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
+    expert_misses: Array  # int32: experts copied into the VRAM caches by this step (decode, host residency)
+    expert_lookups: Array  # int32: distinct (layer, expert) uses looked up in them
+
+
+def logprobs_of(logits: Array, tokens: Array) -> LogProbs:
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    top, top_id = lax.top_k(lp, TOP_LOGPROBS)
+    return LogProbs(chosen, top_id.astype(jnp.int32), top)
+
+
+def apply_mask(logits: Array, bits: Array) -> Array:
+    """Keep the tokens allowed by a packed bitmask bits [..., ceil(V/32)] int32 (token v: bit v%32 of word
+    v//32, llguidance's layout); the rest get -inf."""
+    v = jnp.arange(logits.shape[-1])
+    allowed = (jnp.take(bits, v // 32, axis=-1) >> (v % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+# ----- the programs -----------------------------------------------------------------------------------------
+def _ple_rows(setup: Setup, tokens: Array, context: Array | None, n_new: Array):
+    """The n-gram rows of the new tokens [b, T] (FFI host step: hash + table lookup), the new context, the
+    step's status words; (None, None, None) for a model without PLE."""
+    if setup.table is None:
+        return None, None, None
+    with jax.named_scope("ple_host_step"):
+        step = ffi.ple_step(tokens, context, setup.table, setup.hash, lengths=n_new)
+        rows = up(step.rows)
+        if setup.table_scale is not None:
+            rows = rows * setup.table_scale
+    return rows, step.context, step.info
+
+
+def _cache_counts(experts: CachedExperts | None):
+    if experts is None:
+        return None, jnp.int32(0), jnp.int32(0)
+    status = jnp.stack(experts.status)
+    return status, jnp.sum(status[:, 0]), jnp.sum(status[:, 1])
+
+
+def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks: Array | None,
+                expert_ids: Array | None):
+    """One token for every active slot: feeds last_token, samples the next (within masks [B, ceil(V/32)] when
+    built with Want.masks; routed to expert_ids [L, B, k] when the runner has a RoutingSource). Slots not
+    decoding are computed too (a fixed shape) but change no state."""
+    cfg = setup.cfg
+    n_new = st.active.astype(jnp.int32)
+    batch = TokenBatch.after(st.seqs.lengths, n_new, 1, st.seqs.page_table)
+    fed = st.last_token[:, None]
+    rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
+    experts = st.experts if setup.host is not None else ResidentExperts()
+    h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids)
+    logits = final_logits(params, cfg, h[:, 0])
+    with jax.named_scope("sampling"):
+        lengths = st.seqs.lengths + n_new
+        tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths)
+    drafts = draft_logits = None
+    mtp = st.mtp
+    if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, and a guess of token t+2
+        hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens[:, None], batch, st.mtp)
+        draft_logits = mtp_mod.mtp_logits(params, cfg, hm[:, 0])
+        drafts = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    st = dataclasses.replace(
+        st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
+        experts=experts if setup.host is not None else None, mtp=mtp,
+        last_token=jnp.where(st.active, tokens, st.last_token))
+    cache_status, misses, lookups = _cache_counts(st.experts)
+    out = StepOutput(tokens=tokens, drafts=drafts, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
+                     logits=logits if want.logits else None,
+                     draft_logits=draft_logits if want.logits else None, prompt_logprobs=None,
+                     ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups)
+    return st, out
+
+
+def _row(tree, slot):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, axis=0, keepdims=True), tree)
+
+
+def _set_row(tree, slot, row):
+    return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, row)
+
+
+def _slot_view(state: LayerState, slot) -> LayerState:
+    """One slot's rows of a layer's per-sequence state; the shared KV pages as they are."""
+    mixer = state.mixer if isinstance(state.mixer, PagedKV) else _row(state.mixer, slot)
+    return LayerState(mixer, None if state.ple_conv is None else _row(state.ple_conv, slot))
+
+
+def _slot_update(state: LayerState, slot, new: LayerState) -> LayerState:
+    mixer = new.mixer if isinstance(new.mixer, PagedKV) else _set_row(state.mixer, slot, new.mixer)
+    return LayerState(mixer, None if state.ple_conv is None else _set_row(state.ple_conv, slot, new.ple_conv))
+
+
+def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slot: Array, tokens: Array,
+                  n: Array, last: Array, mask: Array, follow: Array, targets: Array | None,
+                  expert_ids: Array | None):
+    """The next n (<= C) prompt tokens of slot `slot` (tokens [C], padded). `follow` is the prompt token after
+    them (the MTP head's pair for the last one; unused when `last`). With `last`, the slot samples its first
+    token within `mask` (a packed [ceil(V/32)] bitmask) and starts decoding. Built with Want.score, it also
+    returns the log-probabilities of targets [C] (the token after each prompt token) at every position."""
+    cfg = setup.cfg
+    seq = _row(st.seqs, slot)
+    batch = TokenBatch.after(seq.lengths, n[None], tokens.shape[0], seq.page_table)
+    rows, context, ple_status = _ple_rows(setup, tokens[None], seq.ple_context, n[None])
+    experts = st.staging if setup.host is not None else ResidentExperts()
+    states = tuple(_slot_view(s, slot) for s in st.layers)
+    h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids)
+    layers = tuple(_slot_update(old, slot, new) for old, new in zip(st.layers, states))
+    h_last = h[0, n - 1]
+    logits = final_logits(params, cfg, h_last)
+    with jax.named_scope("sampling"):
+        token = sample(apply_mask(logits, mask)[None], _row(st.sampling, slot), seq.lengths + n)[0]
+    drafts = draft_logits = None
+    mtp = st.mtp
+    if setup.mtp:  # pairs (state at t, token t+1): the prompt's own next tokens, then what follows the chunk
+        nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[n - 1].set(jnp.where(last, token, follow))
+        hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, nxt[None], batch, st.mtp)
+        draft_logits = mtp_mod.mtp_logits(params, cfg, hm[0, n - 1])
+        drafts = jnp.argmax(draft_logits).astype(jnp.int32)
+    prompt_lp = None
+    if want.score:
+        prompt_lp = logprobs_of(final_logits(params, cfg, h[0]), targets)
+    seqs = _set_row(st.seqs, slot, SeqState(seq.lengths + n, seq.page_table, context))
+    st = dataclasses.replace(
+        st, seqs=seqs, layers=layers, staging=experts if setup.host is not None else None, mtp=mtp,
+        active=st.active.at[slot].set(last | st.active[slot]),
+        last_token=st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot])))
+    out = StepOutput(tokens=token, drafts=drafts, logprobs=logprobs_of(logits, token) if want.logprobs else None,
+                     logits=logits if want.logits else None,
+                     draft_logits=draft_logits if want.logits else None, prompt_logprobs=prompt_lp,
+                     ple_status=ple_status, cache_status=None, expert_misses=jnp.int32(0),
+                     expert_lookups=jnp.int32(0))
+    return st, out
+
+
+def admit(setup: Setup, st: DecodeState, slot: Array, pages: Array, sampling: SamplingRows) -> DecodeState:
+    """Start a fresh sequence in `slot`: its KV pages [max_pages], empty state, its sampling settings."""
+    def fresh(tree):  # zero the slot's rows of the per-sequence parts; the shared KV pages stay
+        return jax.tree.map(lambda a: a.at[slot].set(jnp.zeros_like(a[slot])), tree)
+
+    layers = tuple(LayerState(s.mixer if isinstance(s.mixer, PagedKV) else fresh(s.mixer),
+                              None if s.ple_conv is None else fresh(s.ple_conv)) for s in st.layers)
+    ctx = st.seqs.ple_context
+    if ctx is not None:
+        ctx = ctx.at[slot].set(setup.cfg.eos_token_id)
+    seqs = SeqState(st.seqs.lengths.at[slot].set(0), st.seqs.page_table.at[slot].set(pages.astype(jnp.int32)),
+                    ctx)
+    return dataclasses.replace(st, seqs=seqs, layers=layers,
+                               sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), st.sampling, sampling),
+                               active=st.active.at[slot].set(False), last_token=st.last_token.at[slot].set(0))
+
+
+def release(st: DecodeState, slot: Array) -> DecodeState:
+    return dataclasses.replace(st, active=st.active.at[slot].set(False))
+
+
+# ----- the runner -------------------------------------------------------------------------------------------
+class Pending:
+    """A dispatched program's output. Its transfer to the host starts at once; result() waits for it (and
+    for nothing dispatched later), checks the FFI status words, and returns the StepOutput as numpy."""
+
+    def __init__(self, out: StepOutput, runner: Runner):
+        self._out, self._runner = out, runner
+        for a in jax.tree.leaves(out):
+            a.copy_to_host_async()
+
+    def result(self) -> StepOutput:
+        out = jax.device_get(self._out)
+        self._runner.check(out)
+        return out
+
+
+class Runner:
+    """Owns the weights and the DecodeState; every call dispatches one compiled program and returns at once."""
+
+    def __init__(self, params: Params, setup: Setup):
+        self.setup = setup
+        self._params, self._params_def = jax.tree.flatten(params)
+        self._programs: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh state (after a failure lost the donated one)."""
+        self._state, self._state_def = jax.tree.flatten(init_state(self.params, self.setup))
+
+    @property
+    def params(self) -> Params:
+        return jax.tree.unflatten(self._params_def, self._params)
+
+    @property
+    def state(self) -> DecodeState:
+        """The current state (for inspection; dispatching a program consumes it)."""
+        return jax.tree.unflatten(self._state_def, self._state)
+
+    def state_lost(self) -> bool:
+        """Whether a failed program consumed the donated state."""
+        return any(a.is_deleted() for a in self._state)
+
+    def check(self, out: StepOutput) -> None:
+        """Raise if an FFI step of this output reported an error (the step's results are then garbage)."""
+        if out.ple_status is not None:
+            ffi.check_ple_info(out.ple_status)
+        if out.cache_status is not None:
+            h = self.setup.host
+            ffi.check_info(out.cache_status, num_slots=h.slots, num_experts=h.num_experts)
+
+    # ----- programs ---------------------------------------------------------------------------------------
+    def _program(self, name: str, want: Want | None = None):
+        """The compiled program `name`, built on first use (see `compile`)."""
+        key = (name, want)
+        if key not in self._programs:
+            self._programs[key] = self._build(name, want)
+        return self._programs[key]
+
+    def compile(self, programs) -> None:
+        """Compile the programs [(name, Want or None), ...] that are not built yet, side by side (XLA compiles
+        in native threads); a server does this before it says it is ready."""
+        todo = [k for k in dict.fromkeys(programs) if k not in self._programs]
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
+            for key, compiled in zip(todo, pool.map(lambda k: self._build(*k), todo)):
+                self._programs[key] = compiled
+
+    def _build(self, name: str, want: Want | None):
+        """Trace and compile one program over (weight leaves, state leaves, *inputs) ahead of time: its inputs'
+        shapes are fixed by the setup, so each program compiles exactly once."""
+        setup, p_def, s_def = self.setup, self._params_def, self._state_def
+
+        def run(param_leaves, state_leaves, *args):
+            params = jax.tree.unflatten(p_def, param_leaves)
+            st = jax.tree.unflatten(s_def, state_leaves)
+            if name == "admit":
+                st, out = admit(setup, st, *args), None
+            elif name == "release":
+                st, out = release(st, *args), None
+            else:
+                st, out = {"decode": decode_step, "prefill": prefill_chunk}[name](params, setup, want, st, *args)
+            leaves, treedef = jax.tree.flatten(st)
+            if treedef != s_def:
+                raise AssertionError(f"{name} changed the state's structure")
+            return leaves, out
+
+        run.__name__ = name  # the program's name in traces and HLO dumps: jit(decode), jit(prefill), ...
+        return jax.jit(run, donate_argnums=1).lower(self._params, self._state, *self._inputs(name, want)).compile()
+
+    def _inputs(self, name: str, want: Want | None) -> tuple:
+        """The shapes of a program's inputs after the weights and the state."""
+        s, cfg = self.setup, self.setup.cfg
+        i32, scalar = jnp.int32, jax.ShapeDtypeStruct((), jnp.int32)
+        words = -(-cfg.vocab_size // 32)
+
+        def ids(rows):  # fixed routing, when the runner has a RoutingSource
+            return None if s.routing is None else jax.ShapeDtypeStruct(
+                (cfg.num_hidden_layers, rows, cfg.num_experts_per_tok), i32)
+
+        if name == "admit":
+            rows = SamplingRows(*(jax.ShapeDtypeStruct((), a.dtype) for a in jax.tree.leaves(SamplingRows.init(1))))
+            return scalar, jax.ShapeDtypeStruct((s.max_pages,), i32), rows
+        if name == "release":
+            return (scalar,)
+        if name == "prefill":
+            chunk = jax.ShapeDtypeStruct((s.chunk,), i32)
+            return (scalar, chunk, scalar, jax.ShapeDtypeStruct((), bool), jax.ShapeDtypeStruct((words,), i32),
+                    scalar, chunk if want.score else None, ids(s.chunk))
+        return (jax.ShapeDtypeStruct((s.max_batch, words), i32) if want.masks else None, ids(s.max_batch))
+
+    def _call(self, name: str, want: Want | None, *args):
+        self._state, out = self._program(name, want)(self._params, self._state, *args)
+        return out
+
+    def admit(self, slot: int, pages: np.ndarray, sampling: SamplingRows) -> None:
+        self._call("admit", None, jnp.int32(slot), jnp.asarray(pages, jnp.int32), sampling)
+
+    def release(self, slot: int) -> None:
+        self._call("release", None, jnp.int32(slot))
+
+    def prefill(self, slot: int, tokens: np.ndarray, n: int, last: bool, mask: np.ndarray, follow: int,
+                want: Want = Want(), targets: np.ndarray | None = None) -> Pending:
+        """Dispatch a prefill chunk (tokens [chunk], the first n real); see prefill_chunk."""
+        if want.score != (targets is not None):
+            raise ValueError("prefill: pass targets exactly when the program is built with Want(score=True)")
+        routing = self.setup.routing
+        ids = None if routing is None else jnp.asarray(routing.prefill_ids(slot, n, len(tokens)), jnp.int32)
+        out = self._call("prefill", want, jnp.int32(slot), jnp.asarray(tokens, jnp.int32), jnp.int32(n),
+                         jnp.asarray(last, bool), jnp.asarray(mask, jnp.int32), jnp.int32(follow),
+                         None if targets is None else jnp.asarray(targets, jnp.int32), ids)
+        return Pending(out, self)
+
+    def decode(self, want: Want = Want(), masks: np.ndarray | None = None) -> Pending:
+        """Dispatch a decode step for every slot; see decode_step."""
+        if want.masks != (masks is not None):
+            raise ValueError("decode: pass masks exactly when the program is built with Want(masks=True)")
+        routing = self.setup.routing
+        ids = None if routing is None else jnp.asarray(routing.decode_ids(self.setup.max_batch), jnp.int32)
+        out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids)
+        return Pending(out, self)
+
+    def program_text(self, name: str, want: Want | None = None) -> str:
+        """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
+        return self._program(name, want).as_text()
+
+    def compile_counts(self) -> dict[str, int]:
+        """The programs compiled so far (each exactly once), by name and Want."""
+        return {name if want in (None, Want()) else f"{name}{_want_label(want)}": 1
+                for name, want in self._programs}
+
+
+def _want_label(want: Want) -> str:
+    return "[" + ",".join(f.name for f in dataclasses.fields(want) if getattr(want, f.name)) + "]"

@@ -1,0 +1,425 @@
+"""The scheduler: continuous batching over the runner's programs, in plain Python values.
+
+Up to `max_batch` sequences run at once, one per batch slot. A request is admitted when a slot and enough KV
+pages for its prompt plus its token allowance are free (pages are reserved up front, so a running sequence
+never runs out of cache); its prompt is prefilled in chunks; then it joins the batched decode steps until a
+stop token, its max_new_tokens, the context end, its grammar's end, or cancellation. Requests can be
+submitted and cancelled between any two steps (`step()`: one admission at most, then one decode step).
+
+Decode is overlapped: `step()` dispatches decode step n+1 and only then reads step n's tokens, so the host's
+work (reading tokens, stop rules, events, the caller's own work between steps) runs while the device computes.
+The next input token already lives in the device state. A request that ends in step n (a stop token, its
+max_new_tokens, a cancellation) was still computed in step n+1; that token is dropped, and its slot is
+released after step n+1 (one step late). Grammar-constrained requests need each token before the next step's
+mask can be made, so while one runs, steps are not overlapped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from .runner import Pending, Runner, StepOutput, Want
+from .sampling import SamplingParams, SamplingRows
+
+# The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
+PLAIN, RICH = Want(), Want(logprobs=True, masks=True)
+
+
+@dataclass(eq=False)
+class Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: frozenset
+    logprobs: int | None = None  # top alternatives per generated token (0: the token's own only); None: off
+    echo_logprobs: int | None = None  # score the prompt too (OpenAI `echo` with `logprobs`)
+    constraint: Any = None  # has mask(bits_row) / accept(token) / finished(): grammar-constrained sampling
+    out: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+    prompt_logprobs: list | None = None  # with echo_logprobs: [(logprob, [(id, logprob), ...]) per token]; [0]=None
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    draft: int | None = None  # the MTP head's guess of the next token
+
+
+class Event(NamedTuple):
+    request: Request
+    token: int | None  # None: the request ended (request.finish says why)
+    logprob: tuple | None = None  # (logprob, [(id, logprob), ...]) when the request asked for logprobs
+
+
+@dataclass
+class Stats:
+    """Counters since the scheduler was built: tokens and the expert cache's hits (host residency)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    expert_lookups: int = 0  # distinct (layer, expert) uses per decode step, summed
+    expert_misses: int = 0
+    mtp_drafts: int = 0  # MTP greedy drafts compared with the token then sampled
+    mtp_accepted: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return None if not self.expert_lookups else 1.0 - self.expert_misses / self.expert_lookups
+
+    @property
+    def mtp_acceptance(self) -> float | None:
+        return None if not self.mtp_drafts else self.mtp_accepted / self.mtp_drafts
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A dispatched program whose output the scheduler has not read yet."""
+
+    pending: Pending
+    owners: tuple  # decode: the request in each slot when it was dispatched (None: no one)
+    first_of: Request | None = None  # prefill: the request whose first token it sampled
+    rich: bool = False  # its output holds logprobs
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, plan, vocab_size: int):
+        self.runner, self.plan, self.vocab_size = runner, plan, vocab_size
+        self.max_batch, self.max_seq_len = plan.max_batch, plan.max_seq_len
+        self.chunk = plan.prefill_chunk
+        self.mask_words = -(-vocab_size // 32)
+        self._all_allowed = np.full(self.mask_words, -1, np.int32)
+        self.stats = Stats()
+        self.pending: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted and not finished
+        self._in_flight: deque[_Flight] = deque()
+        self._reset_slots()
+
+    def _reset_slots(self) -> None:
+        self.free_pages = list(range(self.plan.num_pages - 1, -1, -1))
+        self.free_slots = list(range(self.max_batch - 1, -1, -1))
+        self._owner: list[Request | None] = [None] * self.max_batch
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.running and not self._in_flight
+
+    def compile_counts(self) -> dict[str, int]:
+        return self.runner.compile_counts()
+
+    # ----- requests ---------------------------------------------------------------------------------------------
+    def pages_for(self, req: Request) -> int:
+        """KV pages for the prompt and the allowance. The step computed after a request's last one (overlap)
+        feeds the last token, so it writes position len(prompt) + max_new_tokens - 1: still inside."""
+        return math.ceil((len(req.prompt) + req.max_new_tokens) / self.plan.page_size)
+
+    def submit(self, req: Request) -> None:
+        if self.pages_for(req) > self.plan.num_pages:
+            raise ValueError(f"request needs {len(req.prompt) + req.max_new_tokens} tokens of KV cache; the engine "
+                             f"holds {self.plan.kv_tokens}")
+        self.pending.append(req)
+
+    def cancel(self, req: Request) -> list[Event]:
+        """Stop a request now (between steps): no token of it is returned after this; its slot and pages are
+        freed (the device may still compute it in a step already dispatched, whose token is dropped)."""
+        if req.finish is not None:
+            return []
+        if req in self.pending:
+            self.pending.remove(req)
+        return [self._end(req, "cancelled")]
+
+    def _admit(self, req: Request) -> None:
+        req.slot = self.free_slots.pop()
+        n = self.pages_for(req)
+        req.pages = [self.free_pages.pop() for _ in range(n)]
+        row = np.full(self.runner.setup.max_pages, self.plan.num_pages, np.int32)  # num_pages: not owned
+        row[:n] = req.pages
+        self._owner[req.slot] = req
+        self.runner.admit(req.slot, row, SamplingRows.of(req.sampling))
+
+    def _free(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.runner.release(req.slot)
+            self._owner[req.slot] = None
+            self.free_slots.append(req.slot)
+            self.free_pages.extend(req.pages)
+        req.slot, req.pages = -1, []
+
+    def _end(self, req: Request, why: str) -> Event:
+        req.finish = why
+        self._free(req)
+        if req in self.running:
+            self.running.remove(req)
+        return Event(req, None)
+
+    def _mask_row(self, req: Request) -> np.ndarray:
+        if req.constraint is None:
+            return self._all_allowed
+        row = np.zeros(self.mask_words, np.int32)
+        req.constraint.mask(row)
+        return row
+
+    # ----- prefill ----------------------------------------------------------------------------------------------
+    def _chunks(self, tokens: Sequence[int], after: int = 0):
+        """(start, piece, padded buffer, last?, the token after the piece) per prefill chunk."""
+        c = self.chunk
+        for start in range(0, len(tokens), c):
+            piece = tokens[start : start + c]
+            buf = np.zeros(c, np.int32)
+            buf[: len(piece)] = piece
+            end = start + len(piece)
+            yield start, piece, buf, end >= len(tokens), tokens[end] if end < len(tokens) else after
+
+    def _score_prompt(self, req: Request) -> None:
+        """Prefill all prompt tokens but the last with per-position scoring: the log-probability of each next
+        prompt token, and the top alternatives."""
+        body = req.prompt[:-1]
+        out: list = [None]
+        n_top = req.echo_logprobs or 0
+        for start, piece, buf, _, follow in self._chunks(body, after=req.prompt[-1]):
+            targets = np.zeros(self.chunk, np.int32)
+            seg = req.prompt[start + 1 : start + 1 + len(piece)]
+            targets[: len(seg)] = seg
+            lp = self.runner.prefill(req.slot, buf, len(piece), False, self._all_allowed, follow, Want(score=True),
+                                     targets).result().prompt_logprobs
+            for i in range(len(piece)):
+                out.append((float(lp.chosen[i]), [(int(a), float(b)) for a, b in
+                                                   zip(lp.top_ids[i, :n_top], lp.top[i, :n_top])]))
+        req.prompt_logprobs = out
+
+    def _prefill(self, req: Request) -> _Flight:
+        """Dispatch the prompt's chunks; the last samples the first token (read when the flight is processed)."""
+        tokens = req.prompt
+        if req.echo_logprobs is not None:
+            self._score_prompt(req)
+            tokens = req.prompt[-1:]
+        mask = self._mask_row(req)
+        want = Want(logprobs=req.logprobs is not None)
+        for _, piece, buf, last, follow in self._chunks(tokens):
+            pending = self.runner.prefill(req.slot, buf, len(piece), last, mask, follow, want)
+        self.stats.prompt_tokens += len(req.prompt)
+        return _Flight(pending, (), first_of=req, rich=want.logprobs)
+
+    def _admit_next(self) -> list[Event]:
+        req = self.pending.popleft()
+        try:
+            self._admit(req)
+            if req.max_new_tokens == 0:  # prompt scoring only
+                self._score_prompt(req)
+                self.stats.prompt_tokens += len(req.prompt)
+                return [self._end(req, "length")]
+            flight = self._prefill(req)
+        except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
+            req.error = f"{type(e).__name__}: {e}"
+            return [self._end(req, "error")] + self._recover()
+        self.running.append(req)
+        self._in_flight.append(flight)
+        return []
+
+    # ----- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit the next waiting request if it fits, dispatch one decode step for every running request, then
+        read what earlier steps produced. One admission per step: a burst of arrivals does not stall the running
+        sequences for all of its prefills at once."""
+        events: list[Event] = []
+        if self.pending and self.free_slots and self.pages_for(self.pending[0]) <= len(self.free_pages):
+            events += self._admit_next()
+        overlap = not any(r.constraint is not None for r in self.running)
+        if not overlap:  # each grammar mask depends on the token before it
+            events += self._drain()
+        dispatched = bool(self.running) and self._dispatch_decode(events)
+        keep = 1 if dispatched and overlap else 0
+        while len(self._in_flight) > keep:
+            events += self._process(self._in_flight.popleft())
+        return events
+
+    def _dispatch_decode(self, events: list) -> bool:
+        rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
+        try:
+            if rich:
+                masks = np.full((self.max_batch, self.mask_words), -1, np.int32)
+                for r in self.running:
+                    if r.constraint is not None:
+                        masks[r.slot] = self._mask_row(r)
+                pending = self.runner.decode(RICH, masks)
+            else:
+                pending = self.runner.decode(PLAIN)
+        except Exception as e:  # noqa: BLE001 -- a step that cannot run fails the requests in it
+            events += self._fail(list(self.running), e)
+            return False
+        self._in_flight.append(_Flight(pending, tuple(self._owner), rich=rich))
+        return True
+
+    def _drain(self) -> list[Event]:
+        events = []
+        while self._in_flight:
+            events += self._process(self._in_flight.popleft())
+        return events
+
+    def _process(self, flight: _Flight) -> list[Event]:
+        """Read a flight's output and turn it into events for the requests still waiting for it."""
+        owners = (flight.first_of,) if flight.first_of is not None else flight.owners
+        try:
+            out = flight.pending.result()
+        except Exception as e:  # noqa: BLE001 -- the program failed on the device: so do its requests
+            return self._fail([r for r in owners if r is not None and r.finish is None], e)
+        if flight.first_of is not None:
+            req = flight.first_of
+            if req.finish is not None:
+                return []
+            return self._accept(req, int(out.tokens), _logprob_row(out, None, req), _draft(out, None))
+        self.stats.decode_steps += 1
+        self.stats.expert_misses += int(out.expert_misses)
+        self.stats.expert_lookups += int(out.expert_lookups)
+        events = []
+        for slot, req in enumerate(flight.owners):
+            if req is not None and req.finish is None:
+                events += self._accept(req, int(out.tokens[slot]), _logprob_row(out, slot, req), _draft(out, slot))
+        return events
+
+    def _accept(self, req: Request, tok: int, lp, draft: int | None) -> list[Event]:
+        """Record a sampled token; the events it makes (the token, and the end if the request is done).
+        draft: the MTP head's guess of the token after this one."""
+        if req.draft is not None and req.out:  # the guess made one step ago, against what was sampled now
+            self.stats.mtp_drafts += 1
+            self.stats.mtp_accepted += int(tok == req.draft)
+        req.draft = draft
+        if tok in req.stop:
+            return [self._end(req, "stop")]
+        req.out.append(tok)
+        self.stats.generated_tokens += 1
+        events = [Event(req, tok, lp)]
+        done = None
+        if req.constraint is not None:
+            req.constraint.accept(tok)
+            if req.constraint.finished():
+                done = "stop"
+        if done is None and len(req.out) >= req.max_new_tokens:
+            done = "length"
+        if done:
+            events.append(self._end(req, done))
+        return events
+
+    def _fail(self, reqs: list[Request], e: Exception) -> list[Event]:
+        events = []
+        for r in reqs:
+            r.error = f"{type(e).__name__}: {e}"
+            events.append(self._end(r, "error"))
+        return events + self._recover()
+
+    def _recover(self) -> list[Event]:
+        """After a failed program: if the donated state was lost, start a fresh one (running requests end)."""
+        if not self.runner.state_lost():
+            return []
+        events = []
+        for r in list(self.running):
+            r.error = r.error or "the engine state was lost by a failed step"
+            events.append(self._end(r, "error"))
+        self._in_flight.clear()
+        self.runner.reset()
+        self._reset_slots()
+        return events
+
+    def run(self, requests: Sequence[Request]) -> Iterator[Event]:
+        """Serve the requests to completion, yielding their events."""
+        for r in requests:
+            self.submit(r)
+        while not self.idle:
+            yield from self.step()
+
+    # ----- for tests and scoring ------------------------------------------------------------------------------
+    def step_logits(self, prompt: Sequence[int], steps: int):
+        """Prefill `prompt`, then run `steps` greedy decode steps, each read before the next. Returns (tokens
+        [steps + 1], logits [steps + 1, V], MTP draft logits [steps + 1, V] or None): row 0 is what the prefill
+        produced for the prompt's last token, row i the i-th decode step's; tokens[i] is the greedy pick of row
+        i, and draft row i guesses the token after tokens[i]."""
+        (req,) = self.make_requests([list(prompt)], max_new_tokens=steps + 1, temperature=0.0, top_p=1.0, top_k=0,
+                                    min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
+        if not self.idle or not self.free_slots or self.pages_for(req) > len(self.free_pages):
+            raise RuntimeError("step_logits needs an idle scheduler")
+        self._admit(req)
+        toks, logits, drafts = [], [], []
+        try:
+            for _, piece, buf, last, follow in self._chunks(req.prompt):
+                pending = self.runner.prefill(req.slot, buf, len(piece), last, self._all_allowed, follow,
+                                              Want(logits=True))
+            outs = [(None, pending.result())]
+            outs += [(req.slot, self.runner.decode(Want(logits=True)).result()) for _ in range(steps)]
+        finally:
+            self._free(req)
+        for slot, out in outs:
+            row = (lambda a: a) if slot is None else (lambda a: a[slot])
+            toks.append(int(row(out.tokens)))
+            logits.append(row(out.logits))
+            if out.draft_logits is not None:
+                drafts.append(row(out.draft_logits))
+        return toks, np.stack(logits), np.stack(drafts) if drafts else None
+
+    def make_requests(self, prompts, *, max_new_tokens, temperature, top_p, top_k, min_p, seed, stop,
+                      eos_ids: Sequence[int], ignore_eos: bool) -> list[Request]:
+        """Validate the inputs (a clear error before anything runs) and build the requests."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        n = len(prompts)
+
+        def per(name, v):
+            if isinstance(v, (list, tuple)):
+                if len(v) != n:
+                    raise ValueError(f"{name} has {len(v)} entries for {n} prompts")
+                return list(v)
+            return [v] * n
+
+        vocab = self.vocab_size
+        stops = [None] * n if stop is None else (
+            [stop] * n if not stop or not isinstance(stop[0], (list, tuple)) else per("stop", stop))
+        reqs = []
+        for i, (p, m, t, tp, tk, mp, sd, st) in enumerate(zip(
+                prompts, per("max_new_tokens", max_new_tokens), per("temperature", temperature),
+                per("top_p", top_p), per("top_k", top_k), per("min_p", min_p), per("seed", seed), stops)):
+            p = self.check_prompt(p, f"prompt {i}")
+            if int(m) != m or m < 1:
+                raise ValueError(f"max_new_tokens must be a positive integer, got {m}")
+            stop_ids = set() if ignore_eos else set(eos_ids)
+            for s in st or ():
+                if int(s) != s or not 0 <= s < vocab:
+                    raise ValueError(f"stop token {s!r} is not a token id in [0, {vocab})")
+                stop_ids.add(int(s))
+            sp = SamplingParams(float(t), int(tk), float(tp), float(mp),
+                                int(sd) if sd is not None else int(np.random.SeedSequence().entropy % 2**32))
+            reqs.append(Request(i, p, min(int(m), self.max_seq_len - len(p)), sp, frozenset(stop_ids)))
+        return reqs
+
+    def check_prompt(self, p, what: str = "the prompt") -> list[int]:
+        """A prompt as a list of ints, or ValueError saying what is wrong with it."""
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) == 0:
+            raise ValueError(f"{what} must be a non-empty list of token ids")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"{what} must be a flat list of integer token ids")
+        vocab = self.vocab_size
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"{what}: token id out of range [0, {vocab})")
+        if len(p) >= self.max_seq_len:
+            raise ValueError(f"{what} has {len(p)} tokens; the context holds {self.max_seq_len} "
+                             "(the engine's max_seq_len)")
+        return [int(x) for x in arr]
+
+
+def _logprob_row(out: StepOutput, slot: int | None, req: Request) -> tuple | None:
+    """(logprob, [(id, logprob), ...]) of one sampled token, when the request asked for logprobs."""
+    if req.logprobs is None or out.logprobs is None:
+        return None
+    lp = out.logprobs if slot is None else jax.tree.map(lambda a: a[slot], out.logprobs)
+    n = req.logprobs
+    return float(lp.chosen), [(int(a), float(b)) for a, b in zip(lp.top_ids[:n], lp.top[:n])]
+
+
+def _draft(out: StepOutput, slot: int | None) -> int | None:
+    if out.drafts is None:
+        return None
+    return int(out.drafts if slot is None else out.drafts[slot])

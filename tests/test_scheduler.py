@@ -1,0 +1,212 @@
+"""The scheduler's overlapped decode on the bundled model: the host dispatches decode step n+1 before it reads
+step n, so a request that ends in step n has already been computed once more. These tests check that nothing
+of that extra step leaks: no token after EOS, a stop token, a stop string or max_new_tokens, none after a
+cancellation while a step is in flight, and that requests admitted while others decode give what they give
+alone. Greedy decoding on the bundled model (float32 on the CPU); equalities are exact token for token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.engine import runner as runner_mod
+from jaxflash.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return jaxflash.load(max_batch=3, max_seq_len=192, prefill_chunk=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(jaxflash.DEFAULT_MODEL)
+
+
+def requests(engine, prompts, **kw):
+    args = dict(max_new_tokens=20, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop=None,
+                eos_ids=engine.config.eos_token_ids, ignore_eos=False)
+    return engine.scheduler.make_requests(prompts, **{**args, **kw})
+
+
+def run_events(sched, reqs, on_event=None):
+    """All events of serving `reqs`, in order; on_event(ev) may cancel requests between steps."""
+    for r in reqs:
+        sched.submit(r)
+    events = []
+    while not sched.idle:
+        for ev in sched.step():
+            events.append(ev)
+            if on_event:
+                on_event(ev)
+    return events
+
+
+def assert_clean_stream(events):
+    """Per request: tokens, then exactly one end event, nothing after it."""
+    ended = set()
+    for ev in events:
+        assert id(ev.request) not in ended, "an event after the request ended"
+        if ev.token is None:
+            ended.add(id(ev.request))
+
+
+def alone(engine, prompt, **kw):
+    return engine.generate([prompt], **kw)[0]
+
+
+def test_steps_overlap(engine, tok, monkeypatch):
+    """In steady decoding, step n's output is read only after step n+1 was dispatched."""
+    log = []
+    real_decode, real_result = runner_mod.Runner.decode, runner_mod.Pending.result
+
+    def decode(self, *a, **k):
+        p = real_decode(self, *a, **k)
+        p.n = sum(1 for e in log if e[0] == "dispatch")
+        log.append(("dispatch", p.n))
+        return p
+
+    def result(self):
+        if hasattr(self, "n"):
+            log.append(("read", self.n))
+        return real_result(self)
+
+    monkeypatch.setattr(runner_mod.Runner, "decode", decode)
+    monkeypatch.setattr(runner_mod.Pending, "result", result)
+    out = alone(engine, tok.encode("In the beginning"), max_new_tokens=12, ignore_eos=True)
+    assert len(out) == 12
+    reads = [n for kind, n in log if kind == "read"]
+    assert reads == sorted(reads) and len(reads) >= 10
+    for n in reads[:-1]:  # every read but the drain at the end comes after the next step's dispatch
+        assert log.index(("dispatch", n + 1)) < log.index(("read", n))
+
+
+def test_max_new_tokens_exact(engine, tok):
+    p = tok.encode("And God said")
+    full = alone(engine, p, max_new_tokens=12, ignore_eos=True)
+    sched = engine.scheduler
+    for m in (1, 2, 5, 12):
+        events = run_events(sched, requests(engine, [p, tok.encode("def f(")], max_new_tokens=[m, 9],
+                                            ignore_eos=True))
+        assert_clean_stream(events)
+        got = [ev.token for ev in events if ev.request.index == 0 and ev.token is not None]
+        assert got == full[:m]
+        assert [ev.request.finish for ev in events if ev.token is None and ev.request.index == 0] == ["length"]
+    assert sched.idle and len(sched.free_slots) == sched.max_batch
+    assert len(sched.free_pages) == sched.plan.num_pages
+
+
+def test_no_token_after_a_stop_token_or_eos(engine, tok):
+    p = tok.encode("The LORD is my shepherd")
+    full = alone(engine, p, max_new_tokens=24, ignore_eos=True)
+    stop = full[5]
+    first = full.index(stop)
+    other = tok.encode("import os")
+    events = run_events(engine.scheduler, requests(engine, [p, other], max_new_tokens=24, stop=[stop],
+                                                   ignore_eos=True))
+    assert_clean_stream(events)
+    assert [ev.token for ev in events if ev.request.index == 0 and ev.token is not None] == full[:first]
+    assert [ev.token for ev in events if ev.request.index == 1 and ev.token is not None] == \
+        alone(engine, other, max_new_tokens=24, ignore_eos=True)
+    eos = engine.config.eos_token_ids[0]
+    out = alone(engine, p, max_new_tokens=24)  # EOS stops by default
+    assert eos not in out and out == full[: len(out)] and (len(out) == 24 or full[len(out)] == eos)
+
+
+def test_no_token_after_a_stop_string(engine, tok):
+    """What the server does with a stop string: cancel the request once its text contains it. The step in
+    flight at that moment computes one more token for it, which must not come out."""
+    p = tok.encode("In the beginning God created")
+    full = alone(engine, p, max_new_tokens=30, ignore_eos=True)
+    text = tok.decode(full)
+    target = text[len(text) // 3 : len(text) // 3 + 4]
+    sched = engine.scheduler
+    cut = {}
+
+    def on_event(ev):
+        r = ev.request
+        if ev.token is not None and r.index == 0 and target in tok.decode(r.out):
+            cut["at"] = len(r.out)
+            sched.cancel(r)
+
+    events = run_events(sched, requests(engine, [p, tok.encode("class A:")], max_new_tokens=30,
+                                        ignore_eos=True), on_event)
+    assert_clean_stream(events)
+    got = [ev.token for ev in events if ev.request.index == 0 and ev.token is not None]
+    assert "at" in cut and got == full[: cut["at"]]
+    assert sched.idle and len(sched.free_slots) == sched.max_batch
+
+
+def test_cancel_while_a_step_is_in_flight(engine, tok):
+    a, b = tok.encode("Blessed are the"), tok.encode("The list type")
+    solo_b = alone(engine, b, max_new_tokens=16, ignore_eos=True)
+    sched = engine.scheduler
+    ra, rb = requests(engine, [a, b], max_new_tokens=[40, 16], ignore_eos=True)
+    sched.submit(ra)
+    sched.submit(rb)
+    events = []
+    while len(ra.out) < 3:
+        events += sched.step()
+    assert sched._in_flight, "a decode step should be in flight between steps"
+    events += sched.cancel(ra)
+    while not sched.idle:
+        events += sched.step()
+    assert_clean_stream(events)
+    assert [ev.token for ev in events if ev.request is ra and ev.token is not None] == ra.out
+    assert len(ra.out) == 3 and ra.finish == "cancelled"
+    assert rb.out == solo_b
+    assert len(sched.free_slots) == sched.max_batch and len(sched.free_pages) == sched.plan.num_pages
+
+
+def test_admitted_while_another_decodes(engine, tok):
+    """B joins after A has decoded a few tokens (and C while both run); sampled rows are seeded, so each
+    request gives what it gives alone."""
+    prompts = [tok.encode("And it came to pass"), tok.encode("Return a new"), tok.encode("Thou shalt")]
+    kw = dict(max_new_tokens=[18, 10, 8], temperature=[0.0, 0.9, 0.7], seed=[1, 2, 3], ignore_eos=True)
+    solo = [alone(engine, prompts[i], **{k: v[i] if isinstance(v, list) else v for k, v in kw.items()})
+            for i in range(3)]
+    sched = engine.scheduler
+    ra, rb, rc = requests(engine, prompts, **kw)
+    sched.submit(ra)
+    events = []
+    while len(ra.out) < 4:
+        events += sched.step()
+    sched.submit(rb)
+    while len(rb.out) < 2:
+        events += sched.step()
+    sched.submit(rc)
+    while not sched.idle:
+        events += sched.step()
+    assert_clean_stream(events)
+    assert [ra.out, rb.out, rc.out] == solo
+
+
+class CountUp:
+    """A constraint allowing only (previous token + 1) mod V: each mask depends on the token just sampled, so
+    it is only right if every step is read before the next is dispatched."""
+
+    def __init__(self, vocab: int, start: int, steps: int):
+        self.vocab, self.prev, self.left = vocab, start, steps
+
+    def mask(self, row):
+        nxt = (self.prev + 1) % self.vocab
+        row[nxt // 32] |= np.int32(np.uint32(1 << (nxt % 32)).view(np.int32))
+
+    def accept(self, token):
+        self.prev, self.left = token, self.left - 1
+
+    def finished(self):
+        return self.left == 0
+
+
+def test_constrained_requests_step_in_lockstep(engine, tok):
+    p = tok.encode("Count:")
+    v = engine.config.vocab_size
+    (r, other) = requests(engine, [p, tok.encode("def main")], max_new_tokens=[20, 20], ignore_eos=True)
+    r.constraint = CountUp(v, 100, 7)
+    events = run_events(engine.scheduler, [r, other])
+    assert_clean_stream(events)
+    assert r.out == list(range(101, 108)) and r.finish == "stop"
+    assert other.out == alone(engine, tok.encode("def main"), max_new_tokens=20, ignore_eos=True)
