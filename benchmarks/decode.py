@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""Decode speed of the engine on the full-size model (SPEC.md section 1), experts on the host under a VRAM
-budget and all experts on the device, with the step time split by part.
+"""Decode speed of the engine on the full-size model (docs/model.md, "Dimensions"): experts on the host under
+a VRAM budget and all on the device, one or more batch sizes, with the routers' own routing or a routing
+calibrated to real text; each step's GPU time split by part from a profiler trace.
 
 The model is seeded random (jaxflash.synthetic.SyntheticSource), built in memory: dense weights generated, the
 routed experts generated for `--distinct-layers` layers and copied to the others (their bytes do not change the
-timing; each layer keeps its own random router, so routing differs per layer). Random routers route close to
-uniformly, which real ones do not: the hit rate printed beside each figure is what this routing gives. The
-n-gram table is shrunk by --ngram-rows-scale and written to a file that the PLE host step memory-maps.
+timing; each layer keeps its own random router). The n-gram table is shrunk by --ngram-rows-scale and written
+to a file that the PLE host step memory-maps.
 
-The breakdown comes from ablated variants of the same compiled step (StepContext.skip), timed on the same
-state: gather = full - no-gather; routed experts (router, resolve, matmuls) = no-gather - no-routed;
-attention/GDN = no-routed - no-routed-no-mixers; rest (embedding, hyper-connections, shared experts, PLE,
-lm_head, sampling) = the last variant.
+Routing (--routing):
+  model       the random routers' top-k: close to uniform over the experts, so few cache hits;
+  calibrated  expert ids drawn from benchmarks/routing.py's model of the real model's routing on real text
+              (skewed popularity, temporal reuse), fed to the engine through its RoutingSource (each batch
+              slot is one stream); the routers still run and weight those experts.
 
-    python benchmarks/decode.py --budget 32GiB --modes host,device --out DIR        # on the GPU
-    python benchmarks/decode.py --preset small --modes host,device --steps 8         # a CPU smoke run
+For every configuration (residency x batch x routing) it reports: decode tok/s, the step time (wall clock,
+steady state), the dispatch cost per step (host time inside the runner's decode call), the GPU busy time per
+step and the ratio step / busy, kernels per step and their share inside CUDA graphs, and the time per part;
+with host experts also the cache hit rate, misses and GB per step over PCIe, the gather bandwidth measured
+alone, the PCIe floor (miss bytes / that bandwidth) and the step's ratio to it.
+
+    python benchmarks/decode.py --modes host --batch 1,8 --routing calibrated,model --out DIR   # on the GPU
+    python benchmarks/decode.py --preset small --modes host,device --steps 8 --trace-steps 4    # CPU smoke run
 """
 
 from __future__ import annotations
@@ -25,27 +32,26 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-VARIANTS = {  # name -> parts left out
-    "full": frozenset(),
-    "no-gather": frozenset({"gather"}),
-    "no-routed": frozenset({"gather", "routed"}),
-    "no-routed-no-mixers": frozenset({"gather", "routed", "mixers"}),
-}
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 
-def fill_pool(pool, src, cfg, distinct: int, log) -> None:
+def log(msg=""):
+    print(msg, flush=True)
+
+
+def fill_pool(pool, src, cfg, distinct: int) -> None:
     """Expert records of the first `distinct` layers from the synthetic source; the rest copy them."""
     import numpy as np
 
     arr = pool.array
     for layer in range(cfg.num_hidden_layers):
-        t0 = time.perf_counter()
         if layer < distinct:
             stacks = {proj: src.expert_stack(layer, proj) for proj in ("gate_proj", "up_proj", "down_proj")}
             for slot in pool.layout.tensors:
@@ -55,22 +61,167 @@ def fill_pool(pool, src, cfg, distinct: int, log) -> None:
                     np.uint8)
         else:
             arr[layer] = arr[layer % distinct]
-        if layer < distinct or layer == cfg.num_hidden_layers - 1:
-            log(f"  pool layer {layer + 1}/{cfg.num_hidden_layers} ({time.perf_counter() - t0:.1f} s)")
+
+
+class StreamRouting:
+    """A RoutingSource (jaxflash.engine.runner) that gives each batch slot its own stream of a routing model's
+    trace: a prefill chunk takes the slot's next n rows, a decode step the next row of every slot."""
+
+    def __init__(self, ids):  # int32 [streams, tokens, layers, k]
+        import numpy as np
+
+        self.ids = np.ascontiguousarray(np.transpose(ids, (0, 2, 1, 3)))  # [streams, layers, tokens, k]
+        self.pos = [0] * ids.shape[0]
+
+    def _take(self, slot: int, n: int):
+        t = self.ids.shape[2]
+        rows = [(self.pos[slot] + i) % t for i in range(n)]
+        self.pos[slot] += n
+        return self.ids[slot][:, rows]
+
+    def prefill_ids(self, slot: int, n: int, width: int):
+        import numpy as np
+
+        got = self._take(slot, n)
+        return np.concatenate([got, np.repeat(got[:, :1], width - n, axis=1)], axis=1)
+
+    def decode_ids(self, batch: int):
+        import numpy as np
+
+        return np.stack([self._take(s, 1)[:, 0] for s in range(batch)], axis=1)
+
+
+def gather_bandwidth(pool, layout, misses: int) -> float | None:
+    """GB/s of the zero-copy gather kernel copying `misses` random records from the pool (CUDA events, outside
+    XLA; None without the CUDA module)."""
+    import numpy as np
+
+    from jaxflash import ffi
+
+    mod = ffi.module()
+    if not hasattr(mod, "bench_gather") or not pool.pinned:
+        return None
+    rng = np.random.default_rng(3)
+    slots = max(misses, 256)
+    lists = np.stack([np.stack([rng.choice(pool.num_experts, misses, replace=False),
+                                rng.choice(slots, misses, replace=False)], axis=1) for _ in range(16)]).astype(np.int32)
+    sec, ok = mod.bench_gather(pool.id, 0, lists, slots, True, 40)
+    if not ok:
+        raise RuntimeError("bench_gather: gathered bytes differ from the pool")
+    return misses * layout.record_bytes / sec / 1e9
+
+
+def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
+    """Decode `prompts` (one per slot) for args.steps steps; then trace args.trace_steps more steps."""
+    import jax
+    import numpy as np
+
+    import trace_parts
+
+    sched = engine.scheduler
+    runner = sched.runner
+    dispatch, stamps = [], []
+    real_decode = runner.decode
+
+    def timed_decode(*a, **k):  # the host cost of dispatching one step, and when it happened
+        t0 = time.perf_counter()
+        p = real_decode(*a, **k)
+        t1 = time.perf_counter()
+        dispatch.append(t1 - t0)
+        stamps.append(t1)
+        return p
+
+    runner.decode = timed_decode
+    engine.generate([prompts[0]], max_new_tokens=4, ignore_eos=True)  # first execution of every program
+    dispatch.clear()
+    stamps.clear()
+    sched.stats = type(sched.stats)()
+    reqs = sched.make_requests(prompts, max_new_tokens=args.steps + args.trace_steps + len(prompts) + 2,
+                               temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop=None, eos_ids=(),
+                               ignore_eos=True)
+    for r in reqs:
+        sched.submit(r)
+    t_start = time.perf_counter()
+    while sched.pending or any(not r.out for r in reqs):  # admissions (one per step) and first tokens
+        sched.step()
+    ttft = time.perf_counter() - t_start
+    first = len(stamps)
+    stats0 = dataclasses.replace(sched.stats)
+    for _ in range(args.steps):
+        sched.step()
+    steady = stamps[first:]
+    step_s = (steady[-1] - steady[0]) / (len(steady) - 1)
+    st = sched.stats
+    steps = st.decode_steps - stats0.decode_steps
+    misses = st.expert_misses - stats0.expert_misses
+    lookups = st.expert_lookups - stats0.expert_lookups
+
+    jax.block_until_ready(runner._state)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(args.trace_steps):
+            sched.step()
+        jax.block_until_ready(runner._state)
+    for r in reqs:
+        sched.cancel(r)
+    while not sched.idle:
+        sched.step()
+    runner.decode = real_decode
+
+    tr = None
+    if jax.devices()[0].platform == "gpu":  # the CPU backend's traces hold no device kernels
+        tr = trace_parts.summarise(trace_parts.gpu_kernels(trace_dir), args.trace_steps,
+                                   runner.program_text("decode"))
+    batch = len(prompts)
+    run = {"config": name, "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "batch": batch,
+           "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
+           "dispatch_ms_median": statistics.median(dispatch[first:]) * 1e3,
+           "dispatch_ms_max": max(dispatch[first:]) * 1e3, "steps_timed": len(steady) - 1}
+    if lookups:
+        run.update(hit_rate=1 - misses / lookups, misses_per_step=misses / steps,
+                   miss_gb_per_step=misses / steps * layout.record_bytes / 1e9)
+        if gather_gbps:
+            floor = run["miss_gb_per_step"] / gather_gbps
+            run.update(gather_gbps=gather_gbps, pcie_floor_ms=floor * 1e3, step_over_floor=step_s / floor)
+    if tr is not None:
+        run["trace"] = tr
+        run["step_over_busy"] = run["step_ms"] / tr["busy_ms_per_step"]
+        gather = tr["parts_ms_per_step"].get("expert gather (PCIe)", 0.0)
+        run["compute_ms"] = tr["busy_ms_per_step"] - gather
+    return run
+
+
+def report(run) -> str:
+    lines = [f"  {run['config']}: {run['tok_s']:.1f} tok/s ({run['batch']} sequence(s)), step {run['step_ms']:.2f} ms,"
+             f" dispatch {run['dispatch_ms_median']:.2f} ms/step (median; max {run['dispatch_ms_max']:.2f})"]
+    if "hit_rate" in run:
+        s = (f"    hit rate {run['hit_rate']:.1%}, {run['misses_per_step']:.0f} misses/step = "
+             f"{run['miss_gb_per_step']:.3f} GB/step over PCIe")
+        if "pcie_floor_ms" in run:
+            s += (f"; gather {run['gather_gbps']:.1f} GB/s -> PCIe floor {run['pcie_floor_ms']:.2f} ms/step, "
+                  f"step = {run['step_over_floor']:.2f} x floor")
+        lines.append(s)
+    if "trace" in run:
+        import trace_parts
+
+        lines.append(f"    step / GPU busy = {run['step_over_busy']:.3f}; compute (busy - gather) "
+                     f"{run['compute_ms']:.2f} ms/step")
+        lines += ["    " + l for l in trace_parts.format_summary(run["trace"]).splitlines()]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
     ap.add_argument("--modes", default="host,device", help="comma-separated: host (budgeted), device")
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoded together)")
+    ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (aggregate tok/s)")
-    ap.add_argument("--long-prompt", type=int, default=0, help="also time the prefill of one prompt this long")
-    ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
-    ap.add_argument("--ablation-steps", type=int, default=16, help="timed steps per ablated variant (0: none)")
+    ap.add_argument("--steps", type=int, default=48, help="timed decode steps (steady state, all admitted)")
+    ap.add_argument("--trace-steps", type=int, default=8, help="decode steps in the profiler trace")
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--distinct-layers", type=int, default=2)
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
@@ -83,18 +234,22 @@ def main(argv=None) -> int:
 
     from jaxflash import ffi
     from jaxflash.engine import Engine, planner
-    from jaxflash.engine import step as step_mod
+    from jaxflash.engine.experts import HostExperts, records_as_experts
+    from jaxflash.engine.runner import Want
     from jaxflash.model.weights import load_params
     from jaxflash.synthetic import SyntheticSource, make_config
 
-    def log(msg):
-        print(msg, flush=True)
-
+    out_dir = args.out or tempfile.mkdtemp(prefix="jaxflash_decode_")
+    os.makedirs(out_dir, exist_ok=True)
+    traces = tempfile.mkdtemp(prefix="jaxflash_traces_")  # large: kept out of --out
     cfg = make_config(args.preset, ngram_rows_scale=args.ngram_rows_scale).replace(mtp_num_hidden_layers=0)
     dev = jax.devices()[0]
+    modes, batches = args.modes.split(","), [int(b) for b in args.batch.split(",")]
+    routings = args.routing.split(",")
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
-           "prompt_tokens": args.prompt, "batch": args.batch, "steps": args.steps, "max_seq_len": args.max_seq_len, "modes": {}}
+           "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
+           "max_seq_len": args.max_seq_len, "budget": args.budget, "runs": []}
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "
         f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.dtype}")
 
@@ -103,135 +258,81 @@ def main(argv=None) -> int:
     params = load_params(src, cfg, args.dtype, routed_experts=False)
     jax.block_until_ready(params)
     dense = sum(x.nbytes for x in jax.tree.leaves(params))
-    log(f"dense weights: {dense / 2**30:.2f} GiB on the device ({time.perf_counter() - t0:.0f} s)")
-
     layout = ffi.ExpertLayout.from_config(cfg, "nvfp4")
-    t0 = time.perf_counter()
     pool = ffi.ExpertPool(layout, cfg.num_hidden_layers, cfg.num_experts)
-    fill_pool(pool, src, cfg, min(args.distinct_layers, cfg.num_hidden_layers), log)
-    log(f"expert pool: {pool.nbytes / 2**30:.2f} GiB on the host, pinned={pool.pinned} "
-        f"({time.perf_counter() - t0:.0f} s)")
-    res["pool_gib"], res["pool_pinned"], res["dense_gib"] = pool.nbytes / 2**30, pool.pinned, dense / 2**30
+    fill_pool(pool, src, cfg, min(args.distinct_layers, cfg.num_hidden_layers))
+    log(f"dense weights {dense / 2**30:.2f} GiB on the device; expert pool {pool.nbytes / 2**30:.2f} GiB on the "
+        f"host, pinned={pool.pinned} ({time.perf_counter() - t0:.0f} s)")
+    res.update(pool_gib=pool.nbytes / 2**30, pool_pinned=pool.pinned, dense_gib=dense / 2**30)
 
-    tmp = tempfile.mkdtemp(prefix="jaxflash_ngram_")
     table_np = src.ngram_table()
-    path = os.path.join(tmp, "ngram.bin")
+    path = os.path.join(tempfile.mkdtemp(prefix="jaxflash_ngram_"), "ngram.bin")
     with open(path, "wb") as f:
         for shard in table_np.shards:
             f.write(np.ascontiguousarray(shard).tobytes())
     table = ffi.NgramTable([(path, 0, table_np.rows)], head_dim=table_np.dim, dtype=table_np.dtype,
-                           heads=cfg.num_ngram_heads, max_tokens=max(256, args.prompt))
+                           heads=cfg.num_ngram_heads, max_tokens=max(args.prefill_chunk, max(batches)))
     ngram = (table, table_np.scale)
-
-    rng = np.random.default_rng(1)
-    prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(args.batch)]
-    prompt = prompts[0]
     mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
+    rng = np.random.default_rng(1)
 
-    for mode in args.modes.split(","):
-        log(f"--- experts on the {mode}")
-        free, note = planner.device_free_bytes(dev)
-        plan = planner.plan(cfg, mb, residency=mode, budget=planner.parse_bytes(args.budget) if mode == "host" else None,
-                            free=free, free_note=note, max_batch=args.batch, max_seq_len=args.max_seq_len,
-                            prefill_chunk=256, dtype_bytes=jnp.dtype(args.dtype).itemsize)
+    # Plan every configuration first: the device's free memory is read before anything big is allocated.
+    configs = []
+    for mode in modes:
+        for batch in batches:
+            for routing in routings:
+                free, note = planner.device_free_bytes(dev)
+                plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=batch,
+                                    budget=planner.parse_bytes(args.budget) if mode == "host" else None,
+                                    max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                                    dtype_bytes=jnp.dtype(args.dtype).itemsize)
+                configs.append((f"{mode} b{batch} {routing}-routing", mode, batch, routing, plan))
+    device_params = None
+    if "device" in modes:
+        layers = []
+        for i, layer in enumerate(params.layers):  # [E, R] records on the device, viewed as NVFP4 experts
+            ex = records_as_experts(layout, jax.device_put(pool.array[i]))
+            layers.append(dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, experts=ex)))
+        device_params = dataclasses.replace(params, layers=tuple(layers))
+        jax.block_until_ready(device_params)
+
+    engines = []
+    for name, mode, batch, routing, plan in configs:
+        feed = None
+        if routing == "calibrated":
+            from routing import RoutingModel
+
+            model = RoutingModel(num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+                                 top_k=cfg.num_experts_per_tok, seed=args.seed)
+            ids, _ = model.sample(args.max_seq_len, streams=batch)
+            feed = StreamRouting(ids)
+        host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
+        eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
+                     ngram=ngram, routing=feed)
         for n in plan.notes:
-            log("  plan: " + n)
-        p, host = params, None
-        if mode == "device":
-            t0 = time.perf_counter()
-            layers = []
-            for i, layer in enumerate(params.layers):
-                recs = jax.device_put(pool.array[i])  # [E, R] records; the compute views them as NVFP4
-                ex = step_mod.records_as_experts(layout, recs)
-                layers.append(dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, experts=ex)))
-            p = dataclasses.replace(params, layers=tuple(layers))
-            jax.block_until_ready(p)
-            log(f"  experts copied to the device ({time.perf_counter() - t0:.0f} s)")
-        else:
-            host = step_mod.HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
-        engine = Engine(cfg, p, plan=plan, host_experts=host, ngram=ngram)
-        t0 = time.perf_counter()
-        engine.generate([prompt], max_new_tokens=2, ignore_eos=True)  # compiles prefill + decode
-        compile_s = time.perf_counter() - t0
-        log(f"  compiled and warmed in {compile_s:.0f} s")
-        gen = engine.generator
-        gen.stats = type(gen.stats)()
-        firsts, stamps = {}, []
-        t0 = time.perf_counter()
-        for i, tok in engine.generate_stream(prompts, args.steps + 1, ignore_eos=True):
-            if tok is not None:
-                stamps.append(time.perf_counter())
-                firsts.setdefault(i, stamps[-1])
-        end = time.perf_counter()
-        n_out = len(stamps)
-        ttft = min(firsts.values()) - t0
-        decode_from = max(firsts.values())  # every prompt admitted: from here on, full-batch decode steps
-        decode_tokens = sum(t > decode_from for t in stamps)
-        st = gen.stats
-        step_s = (end - decode_from) / max(1, decode_tokens / len(prompts))
-        run = {"plan": plan.summary(), "cache_slots": plan.cache_slots, "compile_s": compile_s, "batch": args.batch,
-               "ttft_s": ttft, "step_ms": step_s * 1e3, "tok_s": decode_tokens / (end - decode_from),
-               "hit_rate": st.hit_rate, "tokens": n_out, "decode_steps": st.decode_steps}
-        if st.hit_rate is not None:
-            misses_per_step = st.expert_misses / max(1, st.decode_steps)
-            run["misses_per_step"] = misses_per_step
-            run["miss_gb_per_step"] = misses_per_step * layout.record_bytes / 1e9
-        log(f"  decode: {run['tok_s']:.1f} tok/s over {args.batch} sequence(s) ({run['step_ms']:.2f} ms/step, "
-            f"{st.decode_steps} steps); prompt {args.prompt} tokens -> first token {ttft * 1e3:.0f} ms"
-            + (f"; hit rate {st.hit_rate:.1%}, {run['misses_per_step']:.0f} misses/step = "
-               f"{run['miss_gb_per_step']:.2f} GB/step over PCIe" if st.hit_rate is not None else ""))
-        if args.long_prompt:
-            long = [int(x) for x in rng.integers(0, cfg.vocab_size, args.long_prompt)]
-            t0 = time.perf_counter()
-            engine.generate([long], max_new_tokens=1, ignore_eos=True)
-            run["long_prompt"] = {"tokens": args.long_prompt, "ttft_s": time.perf_counter() - t0}
-            run["long_prompt"]["prefill_tok_s"] = args.long_prompt / run["long_prompt"]["ttft_s"]
-            log(f"  prefill: {args.long_prompt} tokens -> first token in {run['long_prompt']['ttft_s']:.2f} s "
-                f"({run['long_prompt']['prefill_tok_s']:.0f} tok/s, chunks of {plan.prefill_chunk})")
+            log(f"  {name}: plan: {n}")
+        engines.append((name, eng))
 
-        if args.ablation_steps and args.batch == 1:
-            names = [v for v in VARIANTS if not (mode == "device" and v == "no-gather")]
-            fns = {}
-            for v in names:
-                ctx = engine.step_context(VARIANTS[v])
-                fns[v] = jax.jit(lambda pp, s, ctx=ctx: step_mod.decode_step(pp, ctx, s), donate_argnums=1)
-            # one live sequence in the generator's state: admit, prefill, then time each variant's steps on it
-            (req,) = gen.make_requests([prompt], max_new_tokens=10_000, temperature=0.0, top_p=1.0, top_k=0,
-                                       min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
-            req.max_new_tokens = min(req.max_new_tokens, args.max_seq_len - args.prompt - 1)
-            gen._admit_one(req)
-            gen._prefill_all(req)
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(len(fns)) as ex:  # compile the variants side by side
-                compiled = dict(zip(fns, ex.map(lambda v, p=p, st=gen.state: fns[v].lower(p, st).compile(), fns)))
-            log(f"  ablation variants compiled in {time.perf_counter() - t0:.0f} s")
-            times = {}
-            for v in names:
-                fn = compiled[v]
-                gen.state, tok, _ = fn(p, gen.state)
-                jax.block_until_ready(tok)
-                t0 = time.perf_counter()
-                for _ in range(args.ablation_steps):
-                    gen.state, tok, _ = fn(p, gen.state)
-                    np.asarray(tok)  # the per-step read-back, as in generation
-                times[v] = (time.perf_counter() - t0) / args.ablation_steps * 1e3
-            gen._free(req)
-            parts = {"gather": times["full"] - times.get("no-gather", times["full"]),
-                     "routed experts": times.get("no-gather", times["full"]) - times["no-routed"],
-                     "attention/GDN": times["no-routed"] - times["no-routed-no-mixers"],
-                     "rest": times["no-routed-no-mixers"]}
-            run["variants_ms"], run["breakdown_ms"] = times, parts
-            log("  step variants (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
-            log("  breakdown (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
-        res["modes"][mode] = run
-        if args.out:  # after each mode, so a run cut short keeps what it measured
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "results.json"), "w") as f:
-                json.dump(res, f, indent=2)
-        del engine, gen, p
-        import gc
+    t0 = time.perf_counter()
+    progs = [("prefill", Want()), ("decode", Want()), ("admit", None), ("release", None)]
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as ex:
+        list(ex.map(lambda e: e.scheduler.runner.compile(progs), [e for _, e in engines]))
+    res["compile_s"] = time.perf_counter() - t0
+    log(f"compiled {len(engines)} configurations' programs side by side in {res['compile_s']:.0f} s")
 
-        gc.collect()
+    gbps = gather_bandwidth(pool, layout, 186) if "host" in modes else None
+    if gbps:
+        log(f"zero-copy gather alone: {gbps:.1f} GB/s (186 random records)")
+    res["gather_gbps"] = gbps
+    for (name, eng), (_, mode, batch, routing, plan) in zip(engines, configs):
+        prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(batch)]
+        trace_dir = os.path.join(traces, name.replace(" ", "_"))
+        run = run_config(name, eng, prompts, args, trace_dir, gbps, layout)
+        run.update(mode=mode, routing=routing)
+        log(report(run))
+        res["runs"].append(run)
+        with open(os.path.join(out_dir, "results.json"), "w") as f:  # after each run: a cut run keeps the rest
+            json.dump(res, f, indent=1)
     return 0
 
 

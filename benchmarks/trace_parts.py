@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Split the GPU time of traced steps by part of the model, from a JAX profiler trace and the program's HLO.
+
+The engine's programs put `jax.named_scope`s on every part (jaxflash/model/transformer.py and moe.py:
+`layer_i/attention`, `layer_i/gdn`, `.../hyper_connection`, `moe/router`, `moe/routed_experts` with `resolve`
+and `gather` under it, `moe/shared_expert`, `ple`, `ple_host_step`, `mtp`, `lm_head`, `sampling`). XLA keeps
+the scope path in each instruction's `op_name` metadata, and every GPU kernel in the trace names the
+instruction it ran for (its `hlo_op`, or its own name: XLA names a fusion's kernel after the fusion). So:
+
+    kernel -> HLO instruction -> named-scope path -> part
+
+Kernels of no instruction of the program (e.g. kernels an FFI handler launches, or a library's kernels with
+no op attached) fall into "unattributed". Record the trace around N steps after warm-up:
+
+    with jax.profiler.trace(DIR, create_perfetto_trace=True):
+        for _ in range(N): ...
+    python benchmarks/trace_parts.py DIR --steps N --hlo program.txt     # program.txt: Compiled.as_text()
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+
+# The part a kernel belongs to: the first of these labels found among its scope path's components.
+PARTS = [
+    ("mtp", "MTP head"),
+    ("mtp_head", "MTP head"),
+    ("gather", "expert gather (PCIe)"),
+    ("resolve", "expert cache resolve"),
+    ("routed_experts", "routed experts"),
+    ("router", "router"),
+    ("shared_expert", "shared expert"),
+    ("hyper_connection", "hyper-connections"),
+    ("ple_host_step", "PLE host step"),
+    ("ple", "PLE"),
+    ("attention", "attention"),
+    ("gdn", "GDN"),
+    ("lm_head", "final mixer + lm_head"),
+    ("sampling", "sampling"),
+]
+
+
+def gpu_kernels(trace_dir: str) -> list[dict]:
+    """The GPU kernel events (ph X on a GPU process) of the newest perfetto trace under trace_dir."""
+    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir} (trace with create_perfetto_trace=True)")
+    with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
+        tr = json.load(f)
+    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in names.items() if "GPU" in n or "/device:" in n}
+    return sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
+def scopes_of(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name scope path (both the name and its kernel spelling, dots as _)."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
+        name, op = m.group(1), m.group(2)
+        out[name] = op
+        out[name.replace(".", "_").replace("-", "_")] = op
+    return out
+
+
+def part_of(scope: str | None) -> str:
+    if scope is None:
+        return "unattributed"
+    parts = scope.split("/")[:-1]  # the last component is the JAX primitive (gather, dot_general, ...)
+    for label, part in PARTS:
+        if label in parts:
+            return part
+    return "other (embedding, glue)"
+
+
+def busy_us(events: list[dict]) -> float:
+    """The union of the kernels' intervals (overlapping kernels count once)."""
+    total, start, end = 0.0, None, None
+    for e in events:
+        s, d = e["ts"], e["ts"] + e["dur"]
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, d
+        else:
+            end = max(end, d)
+    return total + (end - start if end is not None else 0.0)
+
+
+def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> dict:
+    """Per step: kernels, busy and span time, share of kernels inside CUDA graphs, and time by part."""
+    if not events:
+        raise ValueError("the trace holds no GPU kernels")
+    scopes = scopes_of(hlo_text) if hlo_text else {}
+    by_part, n_part = collections.Counter(), collections.Counter()
+    unknown = collections.Counter()
+    for e in events:
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or e["name"]
+        scope = scopes.get(op) or scopes.get(e["name"])
+        part = part_of(scope) if scopes else "all"
+        if part == "unattributed":
+            unknown[e["name"][:80]] += e["dur"]
+        by_part[part] += e["dur"]
+        n_part[part] += 1
+    t0, t1 = events[0]["ts"], max(e["ts"] + e["dur"] for e in events)
+    durs = sorted(e["dur"] for e in events)
+    return {
+        "steps": steps,
+        "kernels_per_step": len(events) / steps,
+        "in_cuda_graph": sum(1 for e in events if e.get("args", {}).get("cuda_graph_id")) / len(events),
+        "busy_ms_per_step": busy_us(events) / 1e3 / steps,
+        "span_ms_per_step": (t1 - t0) / 1e3 / steps,
+        "median_kernel_us": durs[len(durs) // 2],
+        "parts_ms_per_step": {k: v / 1e3 / steps for k, v in by_part.most_common()},
+        "kernels_per_step_by_part": {k: n_part[k] / steps for k, _ in by_part.most_common()},
+        "unattributed_top": [(k, v / 1e3 / steps) for k, v in unknown.most_common(8)],
+    }
+
+
+def format_summary(r: dict) -> str:
+    lines = [f"kernels/step {r['kernels_per_step']:.0f} ({r['in_cuda_graph']:.0%} in CUDA graphs), GPU busy "
+             f"{r['busy_ms_per_step']:.2f} ms/step, span {r['span_ms_per_step']:.2f} ms/step, median kernel "
+             f"{r['median_kernel_us']:.1f} us"]
+    for part, ms in r["parts_ms_per_step"].items():
+        lines.append(f"  {ms:8.3f} ms/step  {r['kernels_per_step_by_part'][part]:7.1f} kernels  {part}")
+    for name, ms in r["unattributed_top"]:
+        lines.append(f"      unattributed {ms:.3f} ms/step: {name}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir")
+    ap.add_argument("--steps", type=int, required=True, help="how many steps the trace holds")
+    ap.add_argument("--hlo", help="the traced program's optimized HLO text (jax Compiled.as_text())")
+    ap.add_argument("--json", help="also write the summary here")
+    a = ap.parse_args(argv)
+    hlo = open(a.hlo).read() if a.hlo else None
+    r = summarise(gpu_kernels(a.trace_dir), a.steps, hlo)
+    print(format_summary(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
