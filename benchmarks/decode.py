@@ -168,9 +168,24 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     runner.decode = real_decode
 
     tr = None
+    hlo = runner.program_text("decode")
+    if args.keep_trace:  # the raw material, for a second look at the split
+        import glob
+        import gzip
+        import shutil
+
+        tag = name.replace(" ", "_")
+        newest = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                     key=os.path.getmtime)
+        shutil.copy(newest, os.path.join(args.out, f"trace_{tag}.json.gz"))
+        with gzip.open(os.path.join(args.out, f"decode_hlo_{tag}.txt.gz"), "wt") as f:
+            f.write(hlo)
+        args.keep_trace = False  # the first configuration only
     if jax.devices()[0].platform == "gpu":  # the CPU backend's traces hold no device kernels
-        tr = trace_parts.summarise(trace_parts.gpu_kernels(trace_dir), args.trace_steps,
-                                   runner.program_text("decode"))
+        try:
+            tr = trace_parts.summarise(trace_parts.gpu_kernels(trace_dir), args.trace_steps, hlo)
+        except Exception as e:  # noqa: BLE001 -- keep the timings even if the trace cannot be read
+            log(f"  trace not summarised: {type(e).__name__}: {e}")
     batch = len(prompts)
     run = {"config": name, "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "batch": batch,
            "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
@@ -226,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json")
+    ap.add_argument("--keep-trace", action="store_true",
+                    help="also copy the first configuration's trace and decode HLO into --out")
     args = ap.parse_args(argv)
 
     import jax
@@ -239,7 +256,7 @@ def main(argv=None) -> int:
     from jaxflash.model.weights import load_params
     from jaxflash.synthetic import SyntheticSource, make_config
 
-    out_dir = args.out or tempfile.mkdtemp(prefix="jaxflash_decode_")
+    out_dir = args.out = args.out or tempfile.mkdtemp(prefix="jaxflash_decode_")
     os.makedirs(out_dir, exist_ok=True)
     traces = tempfile.mkdtemp(prefix="jaxflash_traces_")  # large: kept out of --out
     cfg = make_config(args.preset, ngram_rows_scale=args.ngram_rows_scale).replace(mtp_num_hidden_layers=0)

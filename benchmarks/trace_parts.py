@@ -47,8 +47,10 @@ PARTS = [
 ]
 
 
-def gpu_kernels(trace_dir: str) -> list[dict]:
-    """The GPU kernel events (ph X on a GPU process) of the newest perfetto trace under trace_dir."""
+def gpu_kernels(trace_dir: str, module: str | None = None) -> list[dict]:
+    """The GPU kernel events (ph X on a GPU process) of the newest perfetto trace under trace_dir. With
+    `module` (e.g. "jit_decode"), the XLA:CPU ops of that program instead: the CPU backend runs its thunks on
+    host threads, which lets the attribution be tested without a GPU."""
     files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir} (trace with create_perfetto_trace=True)")
@@ -57,16 +59,40 @@ def gpu_kernels(trace_dir: str) -> list[dict]:
     ev = tr["traceEvents"] if isinstance(tr, dict) else tr
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, n in names.items() if "GPU" in n or "/device:" in n}
-    return sorted((e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e),
-                  key=lambda e: e["ts"])
+    if module is not None:
+        keep = [e for e in ev if e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == module]
+    else:
+        gpu = {p for p, n in names.items() if "GPU" in n or "/device:" in n}
+        keep = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+    return sorted(keep, key=lambda e: e["ts"])
 
 
 def scopes_of(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> its op_name scope path (both the name and its kernel spelling, dots as _)."""
+    """HLO instruction name -> its op_name scope path (under the name and its kernel spelling, dots as _).
+    An instruction with no metadata of its own (a fusion XLA formed, a copy it inserted) takes the most
+    common scope among the instructions of the computation it calls, if any."""
+    line_re = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+    comp_re = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+    own, calls, members, comp = {}, {}, collections.defaultdict(list), None
+    for line in hlo_text.splitlines():
+        if (c := comp_re.match(line)) and " = " not in line:
+            comp = c.group(1)
+            continue
+        if not (m := line_re.match(line)):
+            continue
+        name, rest = m.group(1), m.group(2)
+        if op := re.search(r'op_name="([^"]*)"', rest):
+            own[name] = op.group(1)
+            if comp:
+                members[comp].append(op.group(1))
+        elif callee := re.search(r"calls=%?([\w.\-]+)", rest):
+            calls[name] = callee.group(1)
+    for name, callee in calls.items():
+        if members.get(callee):
+            scopes = collections.Counter(o.rsplit("/", 1)[0] for o in members[callee])
+            own[name] = scopes.most_common(1)[0][0] + "/fusion"
     out = {}
-    for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
-        name, op = m.group(1), m.group(2)
+    for name, op in own.items():
         out[name] = op
         out[name.replace(".", "_").replace("-", "_")] = op
     return out

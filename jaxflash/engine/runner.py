@@ -355,7 +355,7 @@ class Runner:
     # ----- programs ---------------------------------------------------------------------------------------
     def _program(self, name: str, want: Want | None = None):
         """The compiled program `name`, built on first use (see `compile`)."""
-        key = (name, want)
+        key = _key(name, want)
         if key not in self._programs:
             self._programs[key] = self._build(name, want)
         return self._programs[key]
@@ -363,7 +363,7 @@ class Runner:
     def compile(self, programs) -> None:
         """Compile the programs [(name, Want or None), ...] that are not built yet, side by side (XLA compiles
         in native threads); a server does this before it says it is ready."""
-        todo = [k for k in dict.fromkeys(programs) if k not in self._programs]
+        todo = [k for k in dict.fromkeys(_key(n, w) for n, w in programs) if k not in self._programs]
         with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
             for key, compiled in zip(todo, pool.map(lambda k: self._build(*k), todo)):
                 self._programs[key] = compiled
@@ -450,6 +450,13 @@ class Runner:
         """The programs compiled so far (each exactly once), by name and Want."""
         return {name if want in (None, Want()) else f"{name}{_want_label(want)}": 1
                 for name, want in self._programs}
+
+
+def _key(name: str, want: Want | None) -> tuple:
+    """Programs are named by (name, Want); admit and release have no Want, the model's programs default to Want()."""
+    if name not in ("admit", "release", "decode", "prefill"):
+        raise ValueError(f"no program {name!r}")
+    return (name, None) if name in ("admit", "release") else (name, want or Want())
 
 
 def _want_label(want: Want) -> str:
