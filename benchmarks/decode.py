@@ -156,16 +156,17 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     misses = st.expert_misses - stats0.expert_misses
     lookups = st.expert_lookups - stats0.expert_lookups
 
-    jax.block_until_ready(runner._state)
+    jax.block_until_ready(runner.state)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(args.trace_steps):
             sched.step()
-        jax.block_until_ready(runner._state)
+        jax.block_until_ready(runner.state)
     for r in reqs:
         sched.cancel(r)
     while not sched.idle:
         sched.step()
     runner.decode = real_decode
+    runner.free()  # its KV and expert caches: the next configuration needs the memory
 
     tr = None
     hlo = runner.program_text("decode")
@@ -241,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json")
+    ap.add_argument("--compile-threads", type=int, default=3, help="configurations compiled at once")
     ap.add_argument("--keep-trace", action="store_true",
                     help="also copy the first configuration's trace and decode HLO into --out")
     args = ap.parse_args(argv)
@@ -293,7 +295,8 @@ def main(argv=None) -> int:
     mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
     rng = np.random.default_rng(1)
 
-    # Plan every configuration first: the device's free memory is read before anything big is allocated.
+    # Plan every configuration first, from the device's free memory before anything big is allocated; each
+    # runner allocates its state (KV, expert caches) on its first call and frees it after its run.
     configs = []
     for mode in modes:
         for batch in batches:
@@ -332,7 +335,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     progs = [("prefill", Want()), ("decode", Want()), ("admit", None), ("release", None)]
-    with concurrent.futures.ThreadPoolExecutor(len(engines)) as ex:
+    with concurrent.futures.ThreadPoolExecutor(min(len(engines), args.compile_threads)) as ex:
         list(ex.map(lambda e: e.scheduler.runner.compile(progs), [e for _, e in engines]))
     res["compile_s"] = time.perf_counter() - t0
     log(f"compiled {len(engines)} configurations' programs side by side in {res['compile_s']:.0f} s")

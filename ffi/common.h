@@ -57,6 +57,8 @@ enum Counter : int {
   kCallGatherZeroCopyCuda,
   kCallGatherMemcpyCuda,
   kCallPleCuda,
+  kCallCopyCpu,
+  kCallCopyCuda,
   kNumCounters,
 };
 extern std::atomic<int64_t> g_calls[kNumCounters];

@@ -79,6 +79,17 @@ ffi::Error PleCpu(ffi::AnyBuffer tokens, ffi::AnyBuffer lengths, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+ffi::Error CopyCpu(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  g_calls[kCallCopyCpu].fetch_add(1, std::memory_order_relaxed);
+  if (auto err = check_copy(args, rets); err.failure()) return err;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = *args.get<ffi::AnyBuffer>(i);
+    auto r = *rets.get<ffi::AnyBuffer>(i);
+    if (r->untyped_data() != a.untyped_data()) std::memcpy(r->untyped_data(), a.untyped_data(), a.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 }  // namespace jaxflash
@@ -121,3 +132,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCpu, jaxflash::PleCpu,
                                   .Attr<xla::ffi::Span<const int64_t>>("multipliers")
                                   .Attr<xla::ffi::Span<const int64_t>>("head_sizes")
                                   .Attr<xla::ffi::Span<const int64_t>>("head_offsets"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCopyCpu, jaxflash::CopyCpu,
+                              xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets());

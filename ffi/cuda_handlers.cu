@@ -1,4 +1,4 @@
-// CUDA handlers. All but the memcpy gather carry Traits::kCmdBufferCompatible: XLA records them into its
+// CUDA handlers. All but the memcpy gather and the copy carry Traits::kCmdBufferCompatible: XLA records them into its
 // command buffers (CUDA graphs), after which their C++ bodies do not run again while buffer addresses stay
 // the same. So each body only enqueues work on XLA's stream (kernels, async copies, a host node), never waits
 // on the device, and reads no device data on the host. Errors that depend on device data (a bad expert id,
@@ -486,6 +486,21 @@ ffi::Error PleCuda(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuffer le
   return cuda_error("ple_step: enqueueing the host step");
 }
 
+// Operand i to result i with async device-to-device copies. Deliberately NOT command-buffer compatible: XLA
+// runs it outside its CUDA graphs, so a program's graph never reads per-call inputs or writes per-call output
+// buffers, whose addresses change from call to call (each change makes XLA update the whole graph).
+ffi::Error CopyCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  g_calls[kCallCopyCuda].fetch_add(1, std::memory_order_relaxed);
+  if (auto err = check_copy(args, rets); err.failure()) return err;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = *args.get<ffi::AnyBuffer>(i);
+    auto r = *rets.get<ffi::AnyBuffer>(i);
+    if (a.size_bytes() && r->untyped_data() != a.untyped_data())
+      cudaMemcpyAsync(r->untyped_data(), a.untyped_data(), a.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  }
+  return cuda_error("copy");
+}
+
 }  // namespace
 
 // ----- benchmark helpers (called from Python directly, outside XLA) -------------------------------------------
@@ -607,3 +622,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCuda, jaxflash::PleCuda,
                                   .Attr<xla::ffi::Span<const int64_t>>("head_sizes")
                                   .Attr<xla::ffi::Span<const int64_t>>("head_offsets"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+// No command-buffer trait, on purpose (see CopyCuda).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCopyCuda, jaxflash::CopyCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -99,6 +99,24 @@ inline ffi::ErrorOr<GatherShape> check_gather(const ffi::AnyBuffer& misses, cons
   return g;
 }
 
+// Copy: operand i to result i, which must have its size.
+inline ffi::Error check_copy(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+  if (args.size() != rets.size())
+    return ffi::Error::InvalidArgument("copy: " + std::to_string(args.size()) + " operands but " +
+                                       std::to_string(rets.size()) + " results");
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    if (r.has_error()) return r.error();
+    if (a->size_bytes() != (*r)->size_bytes())
+      return ffi::Error::InvalidArgument("copy: operand " + std::to_string(i) + " has " +
+                                         std::to_string(a->size_bytes()) + " bytes, its result " +
+                                         std::to_string((*r)->size_bytes()));
+  }
+  return ffi::Error::Success();
+}
+
 // PLE: attributes to parameters, with every shape checked against the table.
 inline ffi::ErrorOr<PleParams> make_ple_params(const ffi::AnyBuffer& tokens, const ffi::AnyBuffer& lengths,
                                               const ffi::AnyBuffer& reset, const ffi::AnyBuffer& ctx,

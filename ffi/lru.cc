@@ -29,6 +29,8 @@ const char* counter_name(int counter) {
     case kCallGatherZeroCopyCuda: return "gather_zero_copy_cuda";
     case kCallGatherMemcpyCuda: return "gather_memcpy_cuda";
     case kCallPleCuda: return "ple_step_cuda";
+    case kCallCopyCpu: return "copy_cpu";
+    case kCallCopyCuda: return "copy_cuda";
     default: return "unknown";
   }
 }

@@ -325,11 +325,17 @@ class Runner:
         self.setup = setup
         self._params, self._params_def = jax.tree.flatten(params)
         self._programs: dict = {}
-        self.reset()
+        # the state's structure and shapes, known without allocating it: programs compile before it exists
+        self._state_shapes, self._state_def = jax.tree.flatten(jax.eval_shape(lambda: init_state(params, setup)))
+        self._state: list | None = None  # allocated on the first call
 
     def reset(self) -> None:
-        """A fresh state (after a failure lost the donated one)."""
-        self._state, self._state_def = jax.tree.flatten(init_state(self.params, self.setup))
+        """A fresh state: every slot free, the expert caches empty (also after a failure lost the donated one)."""
+        self._state = jax.tree.leaves(init_state(self.params, self.setup))
+
+    def free(self) -> None:
+        """Drop the state (its device memory returns to the allocator); the next call starts a fresh one."""
+        self._state = None
 
     @property
     def params(self) -> Params:
@@ -338,11 +344,13 @@ class Runner:
     @property
     def state(self) -> DecodeState:
         """The current state (for inspection; dispatching a program consumes it)."""
+        if self._state is None:
+            self.reset()
         return jax.tree.unflatten(self._state_def, self._state)
 
     def state_lost(self) -> bool:
         """Whether a failed program consumed the donated state."""
-        return any(a.is_deleted() for a in self._state)
+        return self._state is not None and any(a.is_deleted() for a in self._state)
 
     def check(self, out: StepOutput) -> None:
         """Raise if an FFI step of this output reported an error (the step's results are then garbage)."""
@@ -376,6 +384,9 @@ class Runner:
         def run(param_leaves, state_leaves, *args):
             params = jax.tree.unflatten(p_def, param_leaves)
             st = jax.tree.unflatten(s_def, state_leaves)
+            # per-call inputs and the outputs are fresh buffers on every call: copied in and out outside the
+            # CUDA graph, so that the graph touches only buffers that keep their addresses (ffi/copy.py)
+            args = ffi.uncaptured_copy(args)
             if name == "admit":
                 st, out = admit(setup, st, *args), None
             elif name == "release":
@@ -385,10 +396,11 @@ class Runner:
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
                 raise AssertionError(f"{name} changed the state's structure")
-            return leaves, out
+            return leaves, ffi.uncaptured_copy(out)
 
         run.__name__ = name  # the program's name in traces and HLO dumps: jit(decode), jit(prefill), ...
-        return jax.jit(run, donate_argnums=1).lower(self._params, self._state, *self._inputs(name, want)).compile()
+        return jax.jit(run, donate_argnums=1).lower(self._params, self._state_shapes,
+                                                    *self._inputs(name, want)).compile()
 
     def _inputs(self, name: str, want: Want | None) -> tuple:
         """The shapes of a program's inputs after the weights and the state."""
@@ -412,7 +424,10 @@ class Runner:
         return (jax.ShapeDtypeStruct((s.max_batch, words), i32) if want.masks else None, ids(s.max_batch))
 
     def _call(self, name: str, want: Want | None, *args):
-        self._state, out = self._program(name, want)(self._params, self._state, *args)
+        program = self._program(name, want)
+        if self._state is None:
+            self.reset()
+        self._state, out = program(self._params, self._state, *args)
         return out
 
     def admit(self, slot: int, pages: np.ndarray, sampling: SamplingRows) -> None:

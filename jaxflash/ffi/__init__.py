@@ -12,6 +12,8 @@
     ctx = ngram_context_init(batch, cfg.eos_token_id)
     p = ple_step(tokens, ctx, table, h)                        # p.ids, p.rows, p.info, p.context
 
+    outs = uncaptured_copy(outs)   # a program's per-call inputs/outputs, kept out of its CUDA graph
+
 The handlers live in the native modules `jaxflash_ffi` / `jaxflash_ffi_cuda` (see _ext.py); they are loaded
 and registered with XLA on first use, so importing this package needs no build.
 """
@@ -30,6 +32,7 @@ from .cache import (
     lru_state_size,
     resolve,
 )
+from .copy import uncaptured_copy
 from .experts import (
     ExpertLayout,
     ExpertPool,
@@ -47,5 +50,5 @@ __all__ = [
     "NgramTable", "PinningWarning", "PleError", "PleStep", "Resolved", "cache_init", "check_info",
     "check_ple_info", "default_gather_mode", "expert_plan", "gather", "handler_calls", "layer_prefixes",
     "lru_state_fields", "lru_state_init", "lru_state_size", "module", "ngram_context_init", "normalize_dtype",
-    "pinning_fits", "ple_step", "read_host_memory", "reset_handler_calls", "resolve",
+    "pinning_fits", "ple_step", "read_host_memory", "reset_handler_calls", "resolve", "uncaptured_copy",
 ]
