@@ -155,7 +155,7 @@ def test_seeds_streams_and_prefixes():
     np.testing.assert_array_equal(routing.RoutingModel(3, 16, 4, seed=3).sample(40, 3)[0], ids[:, :, :3])
 
 
-def test_streams_share_popularity_but_not_timing():
+def test_streams_share_popularity_and_reuse_recent_experts():
     """Usage counts of two streams correlate (shared popularity); which experts a token shares with the one
     before is far above chance (temporal reuse)."""
     model = routing.RoutingModel(4, 64, 8, seed=0)
