@@ -324,7 +324,8 @@ def main(argv=None) -> int:
 
             model = RoutingModel(num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
                                  top_k=cfg.num_experts_per_tok, seed=args.seed)
-            ids, _ = model.sample(args.max_seq_len, streams=batch)
+            # each slot's stream: its prompt, the warm-up, the timed and traced steps (then it wraps around)
+            ids, _ = model.sample(args.prompt + args.steps + args.trace_steps + 2 * batch + 16, streams=batch)
             feed = StreamRouting(ids)
         host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,

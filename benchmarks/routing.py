@@ -515,16 +515,15 @@ def fit(log=print) -> tuple[LayerParams, LayerParams]:
 # ---------------------------------------------------------------------------------------------------------------
 def model_routing(params, cfg, tokens: np.ndarray) -> np.ndarray:
     """Routed expert ids [windows, T, layers, k] of the functional model on token windows [windows, T].
-    The one place that knows how the model reports its routing (today: forward_hidden's router_stats)."""
+    The one place that knows how the model reports its routing (forward_hidden's return_routing)."""
     import jax
     import jax.numpy as jnp
 
     from jaxflash.model import ple, transformer
 
     def ids_of(params, toks, ngram):
-        stats: list = []
-        transformer.forward_hidden(params, cfg, toks, ngram_ids=ngram, router_stats=stats)
-        return jnp.stack([idx for _, idx in stats], axis=1)  # [windows * T, layers, k]
+        _, routing = transformer.forward_hidden(params, cfg, toks, ngram_ids=ngram, return_routing=True)
+        return jnp.stack([r.ids for r in routing], axis=1)  # [windows * T, layers, k]
 
     ngram = ple.ngram_ids(cfg, tokens)[0]
     out = jax.jit(ids_of)(params, jnp.asarray(tokens), jnp.asarray(ngram))
