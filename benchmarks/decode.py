@@ -151,6 +151,9 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
         sched.step()
     steady = stamps[first:]
     step_s = (steady[-1] - steady[0]) / (len(steady) - 1)
+    # the steps just before the trace: the same stretch of the sequences (cache hit rates drift along them)
+    late = steady[-(2 * args.trace_steps + 1):]
+    late_s = (late[-1] - late[0]) / (len(late) - 1)
     st = sched.stats
     steps = st.decode_steps - stats0.decode_steps
     misses = st.expert_misses - stats0.expert_misses
@@ -175,7 +178,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
         import gzip
         import shutil
 
-        tag = name.replace(" ", "_")
+        tag = name
         newest = max(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                      key=os.path.getmtime)
         shutil.copy(newest, os.path.join(args.out, f"trace_{tag}.json.gz"))
@@ -189,7 +192,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
             log(f"  trace not summarised: {type(e).__name__}: {e}")
     batch = len(prompts)
     run = {"config": name, "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "batch": batch,
-           "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s,
+           "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s, "late_step_ms": late_s * 1e3,
            "dispatch_ms_median": statistics.median(dispatch[first:]) * 1e3,
            "dispatch_ms_max": max(dispatch[first:]) * 1e3, "steps_timed": len(steady) - 1}
     if lookups:
@@ -200,7 +203,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
             run.update(gather_gbps=gather_gbps, pcie_floor_ms=floor * 1e3, step_over_floor=step_s / floor)
     if tr is not None:
         run["trace"] = tr
-        run["step_over_busy"] = run["step_ms"] / tr["busy_ms_per_step"]
+        run["step_over_busy"] = run["late_step_ms"] / tr["busy_ms_per_step"]
         gather = tr["parts_ms_per_step"].get("expert gather (PCIe)", 0.0)
         run["compute_ms"] = tr["busy_ms_per_step"] - gather
     return run
@@ -219,8 +222,9 @@ def report(run) -> str:
     if "trace" in run:
         import trace_parts
 
-        lines.append(f"    step / GPU busy = {run['step_over_busy']:.3f}; compute (busy - gather) "
-                     f"{run['compute_ms']:.2f} ms/step")
+        lines.append(f"    last {2 * run['trace']['steps']} untraced steps {run['late_step_ms']:.2f} ms/step / GPU busy of "
+                     f"the {run['trace']['steps']} traced steps after them = {run['step_over_busy']:.3f}; compute "
+                     f"(busy - gather) {run['compute_ms']:.2f} ms/step")
         lines += ["    " + l for l in trace_parts.format_summary(run["trace"]).splitlines()]
     return "\n".join(lines)
 
@@ -243,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json")
     ap.add_argument("--compile-threads", type=int, default=3, help="configurations compiled at once")
+    ap.add_argument("--only", default=None, help="comma-separated configurations to run, e.g. host-b1-calibrated")
     ap.add_argument("--keep-trace", action="store_true",
                     help="also copy the first configuration's trace and decode HLO into --out")
     args = ap.parse_args(argv)
@@ -306,7 +311,10 @@ def main(argv=None) -> int:
                                     budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                                     max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                     dtype_bytes=jnp.dtype(args.dtype).itemsize)
-                configs.append((f"{mode} b{batch} {routing}-routing", mode, batch, routing, plan))
+                name = f"{mode}-b{batch}-{routing}"
+                if args.only and name not in args.only.split(","):
+                    continue
+                configs.append((name, mode, batch, routing, plan))
     device_params = None
     if "device" in modes:
         layers = []
@@ -347,7 +355,7 @@ def main(argv=None) -> int:
     res["gather_gbps"] = gbps
     for (name, eng), (_, mode, batch, routing, plan) in zip(engines, configs):
         prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(batch)]
-        trace_dir = os.path.join(traces, name.replace(" ", "_"))
+        trace_dir = os.path.join(traces, name)
         run = run_config(name, eng, prompts, args, trace_dir, gbps, layout)
         run.update(mode=mode, routing=routing)
         log(report(run))

@@ -122,6 +122,31 @@ def busy_us(events: list[dict]) -> float:
     return total + (end - start if end is not None else 0.0)
 
 
+def steady_state(events: list[dict]) -> dict | None:
+    """The period and busy time of repeated launches of the biggest CUDA graph (one per step), from its second
+    launch to its last: the steady state, free of the trace's start. None without graphs."""
+    graph = collections.Counter(e.get("args", {}).get("cuda_graph_id") for e in events
+                                if e.get("args", {}).get("cuda_graph_id"))
+    if not graph:
+        return None
+    main = graph.most_common(1)[0][0]
+    starts, prev = [], None
+    for e in events:  # a launch starts where a kernel of the main graph follows one of another graph
+        g = e.get("args", {}).get("cuda_graph_id")
+        if not g:  # a kernel outside the graphs (an uncaptured custom call's) separates nothing
+            continue
+        if g == main and prev != main:
+            starts.append(e["ts"])
+        prev = g
+    if len(starts) < 3:
+        return None
+    t0, t1 = starts[1], starts[-1]
+    inside = [dict(e, ts=max(e["ts"], t0), dur=min(e["ts"] + e["dur"], t1) - max(e["ts"], t0))
+              for e in events if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
+    n = len(starts) - 2
+    return {"steps": n, "period_ms": (t1 - t0) / 1e3 / n, "busy_ms": busy_us(inside) / 1e3 / n}
+
+
 def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> dict:
     """Per step: kernels, busy and span time, share of kernels inside CUDA graphs, and time by part."""
     if not events:
@@ -150,6 +175,7 @@ def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> di
         "parts_ms_per_step": {k: v / 1e3 / steps for k, v in by_part.most_common()},
         "kernels_per_step_by_part": {k: n_part[k] / steps for k, _ in by_part.most_common()},
         "unattributed_top": [(k, v / 1e3 / steps) for k, v in unknown.most_common(8)],
+        "steady": steady_state(events),
     }
 
 
@@ -157,6 +183,10 @@ def format_summary(r: dict) -> str:
     lines = [f"kernels/step {r['kernels_per_step']:.0f} ({r['in_cuda_graph']:.0%} in CUDA graphs), GPU busy "
              f"{r['busy_ms_per_step']:.2f} ms/step, span {r['span_ms_per_step']:.2f} ms/step, median kernel "
              f"{r['median_kernel_us']:.1f} us"]
+    if r.get("steady"):
+        s = r["steady"]
+        lines.append(f"steady state over {s['steps']} steps: {s['period_ms']:.2f} ms per step, GPU busy "
+                     f"{s['busy_ms']:.2f} ms ({s['period_ms'] / s['busy_ms']:.3f} x)")
     for part, ms in r["parts_ms_per_step"].items():
         lines.append(f"  {ms:8.3f} ms/step  {r['kernels_per_step_by_part'][part]:7.1f} kernels  {part}")
     for name, ms in r["unattributed_top"]:

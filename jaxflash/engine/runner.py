@@ -384,8 +384,8 @@ class Runner:
         def run(param_leaves, state_leaves, *args):
             params = jax.tree.unflatten(p_def, param_leaves)
             st = jax.tree.unflatten(s_def, state_leaves)
-            # per-call inputs and the outputs are fresh buffers on every call: copied in and out outside the
-            # CUDA graph, so that the graph touches only buffers that keep their addresses (ffi/copy.py)
+            # per-call inputs are fresh buffers on every call: copied in outside the CUDA graph, so that the
+            # graph does not read buffers that move (ffi/copy.py; the outputs still do, see docs/engine.md)
             args = ffi.uncaptured_copy(args)
             if name == "admit":
                 st, out = admit(setup, st, *args), None
@@ -396,7 +396,7 @@ class Runner:
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
                 raise AssertionError(f"{name} changed the state's structure")
-            return leaves, ffi.uncaptured_copy(out)
+            return leaves, out
 
         run.__name__ = name  # the program's name in traces and HLO dumps: jit(decode), jit(prefill), ...
         return jax.jit(run, donate_argnums=1).lower(self._params, self._state_shapes,

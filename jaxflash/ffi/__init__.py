@@ -12,7 +12,7 @@
     ctx = ngram_context_init(batch, cfg.eos_token_id)
     p = ple_step(tokens, ctx, table, h)                        # p.ids, p.rows, p.info, p.context
 
-    outs = uncaptured_copy(outs)   # a program's per-call inputs/outputs, kept out of its CUDA graph
+    x = uncaptured_copy(x)         # a per-call input, copied in outside the CUDA graph (ffi/copy.py)
 
 The handlers live in the native modules `jaxflash_ffi` / `jaxflash_ffi_cuda` (see _ext.py); they are loaded
 and registered with XLA on first use, so importing this package needs no build.

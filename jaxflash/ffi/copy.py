@@ -2,10 +2,12 @@
 
 XLA replays a program's captured part as one CUDA graph as long as every buffer the graph touches keeps its
 address; when one moves, XLA updates the graph, which costs milliseconds of host time on every call for a
-graph of a decode step's size. The weights and the donated state keep their addresses, but a program's
-per-call inputs and its outputs are fresh buffers each call. Copying them in and out with this op (a custom
-call without the command-buffer trait: plain async device-to-device copies on the GPU, memcpy on the CPU)
-leaves the graph only stable buffers: XLA's temporaries, the weights and the state.
+graph of a decode step's size. The weights, the donated state and XLA's temporaries keep their addresses;
+a program's per-call inputs are fresh buffers each call. Copying an input in with this op (a custom call
+without the command-buffer trait: plain async device-to-device copies on the GPU, memcpy on the CPU) keeps
+the graph from reading it. Measured on the H200 (benchmarks/graph_updates.py): a fresh input read by the
+graph updates it on every call, the same input copied in does not. Copying an *output* out the same way does
+not help: a program with any fresh output buffer still has its graph updated on every call.
 """
 
 from __future__ import annotations
