@@ -47,6 +47,14 @@ PARTS = [
 ]
 
 
+# Kernels that jaxflash's FFI handlers launch inside the captured graph carry no HLO op; their names say what
+# they are.
+KERNEL_PARTS = [
+    ("gather_zero_copy_kernel", "expert gather (PCIe)"),
+    ("resolve_kernel", "expert cache resolve"),
+]
+
+
 def gpu_kernels(trace_dir: str, module: str | None = None) -> list[dict]:
     """The GPU kernel events (ph X on a GPU process) of the newest perfetto trace under trace_dir. With
     `module` (e.g. "jit_decode"), the XLA:CPU ops of that program instead: the CPU backend runs its thunks on
@@ -159,6 +167,8 @@ def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> di
         op = args.get("hlo_op") or args.get("long_name") or e["name"]
         scope = scopes.get(op) or scopes.get(e["name"])
         part = part_of(scope) if scopes else "all"
+        if part == "unattributed":
+            part = next((p for k, p in KERNEL_PARTS if k in e["name"]), part)
         if part == "unattributed":
             unknown[e["name"][:80]] += e["dur"]
         by_part[part] += e["dur"]

@@ -51,3 +51,12 @@ def test_part_labels():
     assert trace_parts.part_of(None) == "unattributed"
     with pytest.raises(ValueError):
         trace_parts.summarise([], 1)
+
+
+def test_ffi_kernels_are_named_parts():
+    events = [{"name": "jaxflash::(anonymous namespace)::gather_zero_copy_kernel(int const*)", "ts": 0.0, "dur": 5.0,
+               "args": {"cuda_graph_id": "7"}},
+              {"name": "loop_add_fusion_3", "ts": 5.0, "dur": 1.0, "args": {"cuda_graph_id": "7"}}]
+    hlo = 'ENTRY %main () -> f32[] {\n  %loop_add_fusion.3 = f32[] fusion(), metadata={op_name="jit(decode)/layer_0/gdn/add"}\n}\n'
+    r = trace_parts.summarise(events, 1, hlo)
+    assert r["parts_ms_per_step"] == {"expert gather (PCIe)": 0.005, "GDN": 0.001}
