@@ -32,6 +32,7 @@ from . import protocol as P
 from .grammar import GrammarError, constraint_for
 from .metrics import Metrics
 from .parsing import OutputParser
+from .vocab import Vocab
 from .worker import EngineWorker, QueueFull
 
 log = logging.getLogger("jaxflash.server")
@@ -51,6 +52,7 @@ class ServerState:
     max_waiting: int = 256
     engine: Any = None
     tokenizer: Any = None
+    vocab: Vocab | None = None
     worker: EngineWorker | None = None
     error: str | None = None  # the load failed
     metrics: Metrics = field(default_factory=Metrics)
@@ -86,6 +88,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         try:
             engine, tok = load()
             state.engine, state.tokenizer = engine, tok
+            state.vocab = Vocab(tok, engine.config.eos_token_ids, engine.config.vocab_size)
             state.worker = EngineWorker(engine.generator, max_waiting=max_waiting, metrics=state.metrics)
             log.info("ready: %s", engine.plan.summary())
         except BaseException as e:  # noqa: BLE001 -- reported by /health
@@ -275,13 +278,12 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                 state.worker.cancel(ticket)
 
     def token_text(t: int) -> str:
-        return state.tokenizer.decode([t])
+        return state.vocab.token_bytes[t].decode("utf-8", errors="replace")
 
     def lp_entry(tok: int, lp) -> dict:
-        s = token_text(tok)
-        return {"token": s, "logprob": lp[0], "bytes": list(s.encode()),
-                "top_logprobs": [{"token": token_text(a), "logprob": b, "bytes": list(token_text(a).encode())}
-                                 for a, b in lp[1]]}
+        tb = state.vocab.token_bytes  # a token inside a multi-byte character has its own bytes, not U+FFFD's
+        return {"token": token_text(tok), "logprob": lp[0], "bytes": list(tb[tok]),
+                "top_logprobs": [{"token": token_text(a), "logprob": b, "bytes": list(tb[a])} for a, b in lp[1]]}
 
     async def collect(req: GenRequest, http: Request, parser: OutputParser, take) -> bool:
         """Run a non-streaming request to its end, handing each event and its parsed deltas to take(ev, deltas).
@@ -307,7 +309,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                            logprobs=n_top if body.logprobs else None,
                            constraint=constraint(body.response_format, body.guided_grammar))
         reasoning = kwargs.get("enable_thinking", True) is not False
-        parser = OutputParser(state.tokenizer, stop=stops(body.stop), tools=bool(tools), reasoning=reasoning,
+        parser = OutputParser(state.vocab, stop=stops(body.stop), tools=bool(tools), reasoning=reasoning,
                               in_reasoning=text.rstrip().endswith("<think>"))
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(req.out),  # noqa: E731
@@ -398,7 +400,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         echo_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
         req = make_request(ids, body.max_tokens, sampling_of(body), logprobs=body.logprobs, echo_logprobs=echo_lp,
                            constraint=constraint(body.response_format, body.guided_grammar))
-        parser = OutputParser(state.tokenizer, stop=stops(body.stop))
+        parser = OutputParser(state.vocab, stop=stops(body.stop))
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         prefix = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if body.echo else ""
 
@@ -520,7 +522,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         text = render_chat(msgs, tools, kwargs)
         ids = state.tokenizer.encode(text)
         req = make_request(ids, body.max_tokens, sampling_of(body), constraint=constraint(None, body.guided_grammar))
-        parser = OutputParser(state.tokenizer, stop=list(body.stop_sequences or []), tools=bool(tools),
+        parser = OutputParser(state.vocab, stop=list(body.stop_sequences or []), tools=bool(tools),
                               reasoning=True, in_reasoning=text.rstrip().endswith("<think>"))
         mid = "msg_" + uuid.uuid4().hex[:24]
 
@@ -532,9 +534,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
             return "max_tokens" if req.finish == "length" else "end_turn"
 
         def matched_stop():
-            if not parser.stopped:
-                return None
-            return next((s for s in parser.stop if s in parser.decoded), parser.stop[0] if parser.stop else None)
+            return parser.stop_hit  # the first to complete in the text, not the first in the list
 
         if not body.stream:
             blocks: list[dict] = []
