@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.generate import Request as GenRequest
 from ..engine.sampling import SamplingParams
 from . import protocol as P
-from .grammar import GrammarError, constraint_for
+from .grammar import GrammarConstraint, GrammarError, json_grammar, lark_grammar, prepare_schema
 from .metrics import Metrics
 from .parsing import OutputParser
 from .vocab import Vocab
@@ -239,10 +239,27 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                           echo_logprobs=echo_logprobs, constraint=constraint)
 
     def constraint(fmt, grammar=None):
+        """The constraint of an OpenAI `response_format`, or of `guided_grammar` (a Lark grammar, vLLM's extension
+        field); None for plain text."""
         try:
-            cfg = state.engine.config
-            return constraint_for(fmt, state.tokenizer.path, cfg.vocab_size, cfg.eos_token_ids,
-                                  grammar)
+            if grammar is not None:
+                if not isinstance(grammar, str) or not grammar.strip():
+                    raise GrammarError("guided_grammar must be a Lark grammar string")
+                if fmt and fmt.get("type") not in (None, "text"):
+                    raise GrammarError("give either response_format or guided_grammar, not both")
+                return GrammarConstraint(state.vocab, lark_grammar(grammar), "guided_grammar")
+            kind = (fmt or {}).get("type")
+            if kind in (None, "text"):
+                return None
+            if kind == "json_object":
+                return GrammarConstraint(state.vocab, json_grammar(None), "JSON object")
+            if kind == "json_schema":
+                js = fmt.get("json_schema") or {}
+                schema = js.get("schema", js if "type" in js or "properties" in js else None)
+                schema = prepare_schema(schema, strict=bool(js.get("strict")),
+                                        where="response_format.json_schema.schema")
+                return GrammarConstraint(state.vocab, json_grammar(schema), "JSON schema")
+            raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
         except GrammarError as e:
             raise ApiError(400, str(e), "response_format") from None
 
