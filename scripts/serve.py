@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length (default: what fits)")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     ap.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a request's headers may take to arrive (slow clients are disconnected)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxflash
-    from jaxflash.server import create_app
+    from jaxflash.server import create_app, uvicorn_config
     from jaxflash.tokenizer import Tokenizer
 
     model_dir = args.model or str(jaxflash.DEFAULT_MODEL)
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
 
     app = create_app(load, model_name=name, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                      max_waiting=args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
+                                  log_level=args.log_level.lower())).run()
     return 0
 
 

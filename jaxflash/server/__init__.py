@@ -6,8 +6,10 @@
     grammar.py   response_format JSON constraints (llguidance token masks)
     metrics.py   Prometheus metrics
     protocol.py  request models and error objects
+    net.py       uvicorn settings (header read timeout)
 """
 
 from .api import create_app
+from .net import uvicorn_config
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "uvicorn_config"]
