@@ -36,7 +36,8 @@ def serve(app, **config):
     s.close()
     server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None,
                                            **config))
-    threading.Thread(target=server.run, daemon=True).start()
+    server.thread = threading.Thread(target=server.run, daemon=True)  # join it after should_exit
+    server.thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -24,19 +24,16 @@ openai = pytest.importorskip("openai")
 import jaxflash  # noqa: E402
 from jaxflash.server import create_app  # noqa: E402
 from jaxflash.tokenizer import Tokenizer  # noqa: E402
-from serving import KEY, forced, load_small, serve  # noqa: E402
+from serving import KEY, forced, load_small  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string"}, "days": {"type": "integer"}}}}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    app = create_app(load_small, model_name="tiny", api_key=KEY, max_body_bytes=1 << 20, max_waiting=64)
-    srv, url = serve(app)
-    yield url, app.state.jaxflash
-    srv.should_exit = True
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
