@@ -229,7 +229,7 @@ def test_heavy_validation_leaves_health_and_streams_responsive(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 28_000}),  # over the limit
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}] * P.MAX_MESSAGES}),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "guided_grammar": "start: " + " | ".join(
-            f'"a{i}"' for i in range(6000))}),  # about 50 kB
+            f'"a{i}"' for i in range(6000))}),  # 59 kB: compiled, then refused (llguidance's 2000 items a row)
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": _schema_of(1800)}}}),
         ("/v1/completions", {"prompt": "x", "max_tokens": 8, "stop": [f"{i}" + "ab" * 500 for i in range(P.MAX_STOP)]}),
@@ -645,6 +645,21 @@ def test_grammars_with_markup_text(server):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
                                                                        "maximum": 1}}}})
     assert r.status_code == 400 and "nsatisfiable" in r.json()["error"]["message"]
+
+
+def test_a_grammar_that_errs_while_generating_ends_as_an_error(server):
+    """3000 alternatives sharing their first token compile, but the step after it exceeds llguidance's 2000
+    items a row: the request ends as an error (a 400 saying why, an error event in a stream, counted as an
+    error), not as a normal stop with the one token."""
+    url, _ = server
+    before = finished(metrics(url), "error")
+    body = {"messages": USER, "max_tokens": 5, "guided_grammar": "start: " + " | ".join(f'"a{i}"' for i in range(3000))}
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "grammar failed" in r.json()["error"]["message"], r.text
+    events = sse(post(url, "/v1/chat/completions", {**body, "stream": True}).text)
+    assert events[-1] == "[DONE]" and "grammar failed" in events[-2]["error"]["message"]
+    assert not any(e["choices"][0]["finish_reason"] for e in events[:-2] if e.get("choices"))
+    assert finished(metrics(url), "error") == before + 2
 
 
 def test_a_grammar_in_an_error_state_says_so(tok):

@@ -34,7 +34,9 @@ class GrammarConstraint:
             raise GrammarError(f"invalid {what}: {_first_line(self.matcher.get_error())}")
         self.eos = vocab.eos_ids
         row = np.zeros(-(-vocab.size // 32), np.int32)
-        self.mask(row)
+        self.mask(row)  # the first step: some limits (items per row, lexer fuel) are only hit here
+        if self.matcher.is_error():
+            raise GrammarError(f"invalid {what}: {_first_line(self.matcher.get_error())}")
         if not row.any():
             raise GrammarError(f"the {what} matches no output")
 
