@@ -4,8 +4,8 @@
     python scripts/serve.py                                   # the bundled model on 127.0.0.1:8000
     python scripts/serve.py --model DIR --vram-budget 32GiB --port 8080 --api-key SECRET
 
-Endpoints: /v1/models /v1/chat/completions /v1/completions /v1/messages /v1/messages/count_tokens
-/health /metrics /tokenize /detokenize. The server listens at once and loads the model in the background
+Endpoints: /v1/models[/{id}] /v1/chat/completions /v1/completions /v1/messages /v1/messages/count_tokens
+/health /metrics /tokenize /detokenize /tokenizer_info. The server listens at once and loads the model in the background
 (/health answers 503 until it is ready), then prints what the memory planner chose.
 """
 
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None, help="context length (default: what fits)")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     ap.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a request's headers may take to arrive (slow clients are disconnected)")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request's body may take to arrive")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxflash
-    from jaxflash.server import create_app
+    from jaxflash.server import create_app, uvicorn_config
     from jaxflash.tokenizer import Tokenizer
 
     model_dir = args.model or str(jaxflash.DEFAULT_MODEL)
@@ -70,8 +73,9 @@ def main(argv=None) -> int:
         return engine, tok
 
     app = create_app(load, model_name=name, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                     max_waiting=args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+                     max_waiting=args.max_waiting, body_timeout=args.body_timeout)
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
+                                  log_level=args.log_level.lower())).run()
     return 0
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import jaxflash
 from jaxflash.server.parsing import OutputParser
+from jaxflash.server.vocab import Vocab
 from jaxflash.tokenizer import Tokenizer
 
 
@@ -16,9 +18,14 @@ def tok():
     return Tokenizer(jaxflash.DEFAULT_MODEL)
 
 
-def run(tok, text, step, **kw):
+@pytest.fixture(scope="module")
+def vocab(tok):
+    return Vocab(tok, (0, 2))
+
+
+def run(tok, text, step, vocab=None, **kw):
     """Feed text's tokens `step` at a time; collect text, reasoning and tool calls from the deltas."""
-    p = OutputParser(tok, **kw)
+    p = OutputParser(vocab or Vocab(tok), **kw)
     ids = tok.encode(text)
     out = {"text": "", "reasoning": "", "calls": {}}
     deltas = []
@@ -50,20 +57,61 @@ CASES = [
 
 
 @pytest.mark.parametrize("text,kw,want_text,want_reasoning,want_calls", CASES)
-def test_any_split_gives_the_same_output(tok, text, kw, want_text, want_reasoning, want_calls):
+def test_any_split_gives_the_same_output(tok, vocab, text, kw, want_text, want_reasoning, want_calls):
     for step in (1, 2, 3, 7, 1000):
-        out, _ = run(tok, text, step, **kw)
+        out, _ = run(tok, text, step, vocab, **kw)
         assert out["text"] == want_text, step
         assert out["reasoning"] == want_reasoning, step
         calls = {i: (c["name"], json.loads(c["args"])) for i, c in out["calls"].items()}
         assert calls == want_calls, step
 
 
-def test_stop_string_is_held_back_until_decided(tok):
-    p = OutputParser(tok, stop=["STOP"])
+def test_stop_string_is_held_back_until_decided(tok, vocab):
+    p = OutputParser(vocab, stop=["STOP"])
     shown = ""
     for t in tok.encode("abc ST"):
         shown += "".join(d[1] for d in p.feed([t]))
     assert shown == "abc "  # "ST" may begin "STOP": not shown yet
     shown += "".join(d[1] for d in p.feed(tok.encode("ART")))
     assert shown == "abc START"
+
+
+def test_stop_strings_end_at_the_first_to_complete(tok, vocab):
+    """Against a brute-force reference on random text: the output stops where the first stop string completes
+    (of two completing at once, the longer), whatever the split into steps and the order of the list."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        text = "".join(rng.choice(list("ab c"), size=int(rng.integers(1, 40))))
+        stops = list({"".join(rng.choice(list("abc "), size=int(rng.integers(1, 5)))) for _ in range(3)})
+        end, hit = len(text), None
+        for j in range(1, len(text) + 1):
+            done = [s for s in stops if text[:j].endswith(s)]
+            if done:
+                end, hit = j, max(done, key=len)
+                break
+        want = text[: end - len(hit)] if hit else text
+        for step in (1, 3, 1000):
+            out, p = run(tok, text, step, vocab, stop=stops[::-1] if step == 3 else stops)
+            assert (out["text"], p.stop_hit) == (want, hit), (text, stops, step)
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "f", "arguments": {"x": NaN}}', '{"name": "f", "arguments": {"x": 1e999}}',
+    '{"name": "f", "arguments": {"x": "\\ud800"}}', '{"name": "f\\q", "arguments": {}}',
+    '{"name": "", "arguments": {}}',
+    '{"name": "f", "arguments": [1]}', '["f"]', '<function=f>\n<parameter=x>\n1\n</parameter>\nrest\n</function>',
+    '<function=f>\n<parameter=x>\n1\n</function>'])
+def test_malformed_calls_are_text(tok, vocab, body):
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    for step in (1, 1000):
+        out, p = run(tok, text, step, vocab, tools=True)
+        assert out["text"] == text and not out["calls"] and not p.calls
+
+
+def test_call_arguments_are_valid_json(tok, vocab):
+    """NaN as an XML value is the string "NaN" (json would have made it a float no reply can serialise)."""
+    text = "<tool_call>\n<function=f>\n<parameter=x>\nNaN\n</parameter>\n<parameter=y>\n[1, 2]\n</parameter>\n" \
+           "</function>\n</tool_call>"
+    out, p = run(tok, text, 2, vocab, tools=True)
+    assert json.loads(out["calls"][0]["args"]) == {"x": "NaN", "y": [1, 2]}
+    assert p.calls[0]["arguments"] == out["calls"][0]["args"]

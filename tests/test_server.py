@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 
@@ -25,53 +24,16 @@ openai = pytest.importorskip("openai")
 import jaxflash  # noqa: E402
 from jaxflash.server import create_app  # noqa: E402
 from jaxflash.tokenizer import Tokenizer  # noqa: E402
+from serving import KEY, forced, load_small  # noqa: E402
 
-KEY = "sk-test"
-ADDED = r"</?tool_call>|</?think>"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string"}, "days": {"type": "integer"}}}}}
 
 
-def forced(tok: Tokenizer, text: str) -> str:
-    """A Lark grammar whose only sentence is `text` (tool/think markup as the tokenizer's own tokens)."""
-    parts = [p for p in re.split(f"({ADDED})", text) if p]
-    return "start: " + " ".join(f"<[{tok.token_to_id(p)}]>" if re.fullmatch(ADDED, p) else json.dumps(p)
-                                for p in parts)
-
-
-def serve(app):
-    import uvicorn
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
-
-
-def load_small():
-    engine = jaxflash.load(max_batch=4, max_seq_len=512, prefill_chunk=64, progress=False)
-    return engine, Tokenizer(jaxflash.DEFAULT_MODEL)
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = create_app(load_small, model_name="tiny", api_key=KEY, max_body_bytes=1 << 20, max_waiting=64)
-    srv, url = serve(app)
-    yield url, app.state.jaxflash
-    srv.should_exit = True
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +114,8 @@ def test_xml_tool_call_and_reasoning_streamed(oai, tok):
             args += t.function.arguments or ""
             deltas += 1
     assert reasoning.strip() == "The user wants weather."
-    assert json.loads(args) == {"city": "Paris", "days": 3} and deltas >= 3  # name, then one delta per parameter
+    # the name, then one delta per parameter (sent together, once the block has parsed)
+    assert json.loads(args) == {"city": "Paris", "days": 3} and deltas >= 3
 
 
 def test_stop_string_never_leaks(oai, tok):
