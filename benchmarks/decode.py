@@ -343,9 +343,12 @@ def main(argv=None) -> int:
         engines.append((name, eng))
 
     t0 = time.perf_counter()
-    progs = [("prefill", Want()), ("decode", Want()), ("admit", None), ("release", None)]
+    def programs(e):  # plain decoding: the decode step in every bucket the batch passes through while admitting
+        return [("prefill", Want()), ("admit", None), ("release", None)] + [
+            ("decode", Want(), b) for b in e.scheduler.buckets]
+
     with concurrent.futures.ThreadPoolExecutor(min(len(engines), args.compile_threads)) as ex:
-        list(ex.map(lambda e: e.scheduler.runner.compile(progs), [e for _, e in engines]))
+        list(ex.map(lambda e: e.scheduler.runner.compile(programs(e)), [e for _, e in engines]))
     res["compile_s"] = time.perf_counter() - t0
     log(f"compiled {len(engines)} configurations' programs side by side in {res['compile_s']:.0f} s")
 

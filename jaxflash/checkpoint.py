@@ -653,10 +653,17 @@ class Checkpoint:
         directory = os.fspath(path)
         if os.path.isfile(directory):
             directory = os.path.dirname(directory) or "."
+        if not os.path.exists(directory):
+            raise CheckpointError(f"{directory}: no such directory")
         if not os.path.isdir(directory):
-            raise CheckpointError(f"{directory}: not a checkpoint directory")
+            raise CheckpointError(f"{directory}: not a directory")
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            raise CheckpointError(f"{directory}: not a checkpoint directory (it has no config.json)")
         try:
-            raw = read_config_json(directory)
+            raw = read_config_json(directory)  # its errors name the file
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        try:
             config = ModelConfig.from_dict(raw)
         except ConfigError as e:
             raise CheckpointError(f"{os.path.join(directory, 'config.json')}: {e}") from None

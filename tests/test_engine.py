@@ -117,13 +117,18 @@ def test_stop_tokens_and_eos(ref, engine):
 
 
 def test_compile_count_constant_over_long_generation(ref, engine):
+    """warm_up compiles every program serving uses (decode in buckets of 1, 2 and 4 slots, plain and with
+    logprobs and masks); long generations of 1, 2 and 5 requests then compile nothing more."""
     rng = np.random.default_rng(4)
     p = prompt(rng, 20, ref[0].vocab_size, ref[0].eos_token_id)
-    engine.generate([p], max_new_tokens=5, ignore_eos=True)
+    engine.warm_up()
     before = engine.scheduler.compile_counts()
+    assert set(before) >= {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
+        f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}
+    engine.generate([p], max_new_tokens=20, ignore_eos=True)
     engine.generate([p, p[:7]], max_new_tokens=100, ignore_eos=True, temperature=0.8, seed=1)
-    after = engine.scheduler.compile_counts()
-    assert before == after and after["decode"] == 1 and after["prefill"] == 1
+    engine.generate([p[: 3 + i] for i in range(5)], max_new_tokens=30, ignore_eos=True)
+    assert engine.scheduler.compile_counts() == before
 
 
 def test_bad_requests_are_refused(engine):
@@ -206,22 +211,6 @@ def test_planner_decisions():
     assert planner.parse_bytes("32GiB") == 32 * GiB and planner.parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError):
         planner.parse_bytes("lots")
-
-
-def test_generate_cli_on_bundled_model():
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cli = os.path.join(root, "scripts", "generate.py")
-    r = subprocess.run([sys.executable, cli, "--prompt", "And God said", "-n", "8", "--ignore-eos"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() and "8 generated" in r.stderr
-    r = subprocess.run([sys.executable, cli, "--model", "/nonexistent", "--prompt", "x"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 2 and "error" in r.stderr
 
 
 def test_bundled_model_is_the_trained_release_layout():

@@ -210,3 +210,25 @@ def test_constrained_requests_step_in_lockstep(engine, tok):
     assert_clean_stream(events)
     assert r.out == list(range(101, 108)) and r.finish == "stop"
     assert other.out == alone(engine, tok.encode("def main"), max_new_tokens=20, ignore_eos=True)
+
+
+def test_decode_runs_the_smallest_bucket(engine, tok, monkeypatch):
+    """A lone request decodes in a batch of one; while three run, steps cover the first three slots; when the
+    later ones end, steps shrink back (each request still gives what it gives alone)."""
+    rows = []
+    real = runner_mod.Runner.decode
+
+    def decode(self, *args, **kw):
+        rows.append(kw.get("rows"))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(runner_mod.Runner, "decode", decode)
+    p = tok.encode("In the beginning")
+    solo = alone(engine, p, max_new_tokens=6, ignore_eos=True)
+    assert set(rows) == {1}
+    rows.clear()
+    prompts = [p, tok.encode("def f("), tok.encode("Thou")]
+    reqs = requests(engine, prompts, max_new_tokens=[30, 6, 6], ignore_eos=True)
+    run_events(engine.scheduler, reqs)
+    assert reqs[0].out[:6] == solo and reqs[0].out == alone(engine, p, max_new_tokens=30, ignore_eos=True)
+    assert 3 in rows and rows[-1] == 1  # the batch grew to three slots, then back to one

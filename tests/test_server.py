@@ -239,16 +239,24 @@ def test_health_and_queue_limits():
     from fastapi.testclient import TestClient
 
     with TestClient(app) as c:
-        assert c.get("/health").status_code == 503  # still loading
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
         assert c.get("/v1/models").status_code == 503
         gate.set()
-        for _ in range(600):
-            if c.get("/health").status_code == 200:
+        seen = []
+        for _ in range(3000):
+            r = c.get("/health")
+            seen.append(r.json()["status"])
+            if r.status_code == 200:
                 break
             time.sleep(0.1)
+        assert seen[-1] == "ok" and "warming up" in seen  # ready means compiled: it compiles before it says ok
+        state = app.state.jaxflash
+        compiled = set(state.engine.scheduler.compile_counts())
+        assert compiled == {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
+            f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}, compiled  # max_batch 4
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"]  # max_waiting=0: the queue is always full
-        state = app.state.jaxflash
         state.worker.dead = "simulated failure"
         assert c.get("/health").status_code == 503
 

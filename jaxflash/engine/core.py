@@ -167,6 +167,12 @@ class Engine:
                                 self.host_experts, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing)
 
+    def warm_up(self, serving: bool = True) -> dict[str, float]:
+        """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
+        serving uses (serving=False: those plain generation uses), so that the first request does not wait
+        for them; returns each program's seconds."""
+        return self.scheduler.warm_up(serving)
+
     def generate_stream(self, prompts, max_new_tokens=256, *, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                         seed=None, stop=None, ignore_eos: bool = False):
         """Like generate, but yields (prompt index, token id) as tokens are produced, and (prompt index, None)

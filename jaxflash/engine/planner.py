@@ -151,6 +151,12 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         raise PlanError(f"max_seq_len {seq_wanted} exceeds the model's max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
     align = math.lcm(PAGE, cfg.indexer_compress_ratio if cfg.qsa_enabled else 1)
+    if seq_wanted % align:
+        rounded = -(-seq_wanted // align) * align
+        msg = (f"max_seq_len {seq_wanted} rounded up to {rounded}: the KV cache holds whole pages of "
+               f"{align} tokens")
+        log.warning(msg)
+        notes.append(msg)
     per_seq, per_token = state_bytes(cfg, dtype_bytes)
 
     def fixed(seq):  # everything but the experts / the cache

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from ..model.transformer import LayerState, Params, final_logits, forward_layers
 from .experts import CachedExperts, HostExperts, StagedExperts
 from .sampling import SamplingRows, sample
 
+log = logging.getLogger("jaxflash")
 TOP_LOGPROBS = 20  # alternatives returned per token when logprobs are asked for (OpenAI's maximum)
 
 
@@ -228,15 +231,32 @@ def _set_row(tree, slot, row):
     return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, row)
 
 
-def _slot_view(state: LayerState, slot) -> LayerState:
-    """One slot's rows of a layer's per-sequence state; the shared KV pages as they are."""
-    mixer = state.mixer if isinstance(state.mixer, PagedKV) else _row(state.mixer, slot)
-    return LayerState(mixer, None if state.ple_conv is None else _row(state.ple_conv, slot))
+def _per_slot(layers: tuple, fn) -> tuple:
+    """fn applied to each layer state's per-slot parts (GDN rows, PLE conv rows); the shared KV pages as they
+    are."""
+    return tuple(LayerState(s.mixer if isinstance(s.mixer, PagedKV) else fn(s.mixer),
+                            None if s.ple_conv is None else fn(s.ple_conv)) for s in layers)
 
 
-def _slot_update(state: LayerState, slot, new: LayerState) -> LayerState:
-    mixer = new.mixer if isinstance(new.mixer, PagedKV) else _set_row(state.mixer, slot, new.mixer)
-    return LayerState(mixer, None if state.ple_conv is None else _set_row(state.ple_conv, slot, new.ple_conv))
+def _per_slot2(layers: tuple, new: tuple, fn) -> tuple:
+    """fn(old, new) for the per-slot parts; the shared KV pages from `new`."""
+    return tuple(LayerState(n.mixer if isinstance(n.mixer, PagedKV) else fn(o.mixer, n.mixer),
+                            None if o.ple_conv is None else fn(o.ple_conv, n.ple_conv)) for o, n in zip(layers, new))
+
+
+def _first_rows(st: DecodeState, rows: int) -> DecodeState:
+    """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows, shared parts
+    (KV pages, expert caches) whole."""
+    cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
+    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(st.layers, cut), sampling=cut(st.sampling),
+                               active=st.active[:rows], last_token=st.last_token[:rows])
+
+
+def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState:
+    put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
+    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs), layers=_per_slot2(st.layers, sub.layers, put),
+                               sampling=put(st.sampling, sub.sampling), active=put(st.active, sub.active),
+                               last_token=put(st.last_token, sub.last_token))
 
 
 def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slot: Array, tokens: Array,
@@ -251,9 +271,9 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     batch = TokenBatch.after(seq.lengths, n[None], tokens.shape[0], seq.page_table)
     rows, context, ple_status = _ple_rows(setup, tokens[None], seq.ple_context, n[None])
     experts = st.staging if setup.host is not None else ResidentExperts()
-    states = tuple(_slot_view(s, slot) for s in st.layers)
+    states = _per_slot(st.layers, lambda t: _row(t, slot))
     h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids)
-    layers = tuple(_slot_update(old, slot, new) for old, new in zip(st.layers, states))
+    layers = _per_slot2(st.layers, states, lambda t, r: _set_row(t, slot, r))
     h_last = h[0, n - 1]
     logits = final_logits(params, cfg, h_last)
     with jax.named_scope("sampling"):
@@ -361,22 +381,47 @@ class Runner:
             ffi.check_info(out.cache_status, num_slots=h.slots, num_experts=h.num_experts)
 
     # ----- programs ---------------------------------------------------------------------------------------
-    def _program(self, name: str, want: Want | None = None):
-        """The compiled program `name`, built on first use (see `compile`)."""
-        key = _key(name, want)
+    def _key(self, name: str, want: Want | None = None, rows: int | None = None) -> tuple:
+        """Programs are named by (name, Want, rows): admit and release have no Want; the model's programs
+        default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all)."""
+        if name not in ("admit", "release", "decode", "prefill"):
+            raise ValueError(f"no program {name!r}")
+        if name in ("admit", "release"):
+            return name, None, None
+        if name == "prefill":
+            return name, want or Want(), None
+        rows = rows or self.setup.max_batch
+        if not 1 <= rows <= self.setup.max_batch:
+            raise ValueError(f"a decode bucket of {rows} rows; this runner has {self.setup.max_batch} slots")
+        return name, want or Want(), rows
+
+    def _program(self, name: str, want: Want | None = None, rows: int | None = None):
+        """The compiled program, built on first use (see `compile`)."""
+        key = self._key(name, want, rows)
         if key not in self._programs:
-            self._programs[key] = self._build(name, want)
+            self._programs[key] = self._build(*key)
         return self._programs[key]
 
-    def compile(self, programs) -> None:
-        """Compile the programs [(name, Want or None), ...] that are not built yet, side by side (XLA compiles
-        in native threads); a server does this before it says it is ready."""
-        todo = [k for k in dict.fromkeys(_key(n, w) for n, w in programs) if k not in self._programs]
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
-            for key, compiled in zip(todo, pool.map(lambda k: self._build(*k), todo)):
-                self._programs[key] = compiled
+    def compile(self, programs) -> dict[str, float]:
+        """Compile the programs [(name, Want or None[, rows]), ...] that are not built yet, side by side (XLA
+        compiles in native threads); a server does this before it says it is ready. Returns each one's seconds
+        (a program found in the persistent compilation cache takes only its tracing time)."""
+        todo = [k for k in dict.fromkeys(self._key(*p) for p in programs) if k not in self._programs]
 
-    def _build(self, name: str, want: Want | None):
+        def build(key):
+            t0 = time.perf_counter()
+            compiled = self._build(*key)
+            return compiled, time.perf_counter() - t0
+
+        seconds = {}
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
+            for key, (compiled, dt) in zip(todo, pool.map(build, todo)):
+                self._programs[key] = compiled
+                seconds[_label(*key)] = dt
+                log.info("compiled %s in %.1f s", _label(*key), dt)
+        return seconds
+
+    def _build(self, name: str, want: Want | None, rows: int | None):
         """Trace and compile one program over (weight leaves, state leaves, *inputs) ahead of time: its inputs'
         shapes are fixed by the setup, so each program compiles exactly once."""
         setup, p_def, s_def = self.setup, self._params_def, self._state_def
@@ -391,8 +436,11 @@ class Runner:
                 st, out = admit(setup, st, *args), None
             elif name == "release":
                 st, out = release(st, *args), None
-            else:
-                st, out = {"decode": decode_step, "prefill": prefill_chunk}[name](params, setup, want, st, *args)
+            elif name == "prefill":
+                st, out = prefill_chunk(params, setup, want, st, *args)
+            else:  # a decode bucket: slots [0, rows) only
+                sub, out = decode_step(params, setup, want, _first_rows(st, rows), *args)
+                st = _put_first_rows(st, rows, sub)
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
                 raise AssertionError(f"{name} changed the state's structure")
@@ -400,9 +448,9 @@ class Runner:
 
         run.__name__ = name  # the program's name in traces and HLO dumps: jit(decode), jit(prefill), ...
         return jax.jit(run, donate_argnums=1).lower(self._params, self._state_shapes,
-                                                    *self._inputs(name, want)).compile()
+                                                    *self._inputs(name, want, rows)).compile()
 
-    def _inputs(self, name: str, want: Want | None) -> tuple:
+    def _inputs(self, name: str, want: Want | None, rows: int | None) -> tuple:
         """The shapes of a program's inputs after the weights and the state."""
         s, cfg = self.setup, self.setup.cfg
         i32, scalar = jnp.int32, jax.ShapeDtypeStruct((), jnp.int32)
@@ -421,10 +469,10 @@ class Runner:
             chunk = jax.ShapeDtypeStruct((s.chunk,), i32)
             return (scalar, chunk, scalar, jax.ShapeDtypeStruct((), bool), jax.ShapeDtypeStruct((words,), i32),
                     scalar, chunk if want.score else None, ids(s.chunk))
-        return (jax.ShapeDtypeStruct((s.max_batch, words), i32) if want.masks else None, ids(s.max_batch))
+        return (jax.ShapeDtypeStruct((rows, words), i32) if want.masks else None, ids(rows))
 
-    def _call(self, name: str, want: Want | None, *args):
-        program = self._program(name, want)
+    def _call(self, name: str, want: Want | None, *args, rows: int | None = None):
+        program = self._program(name, want, rows)
         if self._state is None:
             self.reset()
         self._state, out = program(self._params, self._state, *args)
@@ -448,31 +496,30 @@ class Runner:
                          None if targets is None else jnp.asarray(targets, jnp.int32), ids)
         return Pending(out, self)
 
-    def decode(self, want: Want = Want(), masks: np.ndarray | None = None) -> Pending:
-        """Dispatch a decode step for every slot; see decode_step."""
+    def decode(self, want: Want = Want(), masks: np.ndarray | None = None, rows: int | None = None) -> Pending:
+        """Dispatch a decode step for slots [0, rows) (default: every slot; masks [rows, words]); see
+        decode_step. Its outputs have `rows` rows."""
         if want.masks != (masks is not None):
             raise ValueError("decode: pass masks exactly when the program is built with Want(masks=True)")
+        rows = rows or self.setup.max_batch
         routing = self.setup.routing
-        ids = None if routing is None else jnp.asarray(routing.decode_ids(self.setup.max_batch), jnp.int32)
-        out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids)
+        ids = None if routing is None else jnp.asarray(routing.decode_ids(rows), jnp.int32)
+        out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids, rows=rows)
         return Pending(out, self)
 
-    def program_text(self, name: str, want: Want | None = None) -> str:
+    def program_text(self, name: str, want: Want | None = None, rows: int | None = None) -> str:
         """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
-        return self._program(name, want).as_text()
+        return self._program(name, want, rows).as_text()
 
     def compile_counts(self) -> dict[str, int]:
-        """The programs compiled so far (each exactly once), by name and Want."""
-        return {name if want in (None, Want()) else f"{name}{_want_label(want)}": 1
-                for name, want in self._programs}
+        """The programs compiled so far (each exactly once), by label: decode@4 is the decode step of slots
+        [0, 4), decode[logprobs,masks]@8 the one with logprobs and grammar masks over 8 slots."""
+        return {_label(*key): 1 for key in self._programs}
 
 
-def _key(name: str, want: Want | None) -> tuple:
-    """Programs are named by (name, Want); admit and release have no Want, the model's programs default to Want()."""
-    if name not in ("admit", "release", "decode", "prefill"):
-        raise ValueError(f"no program {name!r}")
-    return (name, None) if name in ("admit", "release") else (name, want or Want())
-
-
-def _want_label(want: Want) -> str:
-    return "[" + ",".join(f.name for f in dataclasses.fields(want) if getattr(want, f.name)) + "]"
+def _label(name: str, want: Want | None, rows: int | None = None) -> str:
+    """admit, prefill, prefill[score], decode@8, decode[logprobs,masks]@1, ..."""
+    label = name
+    if want not in (None, Want()):
+        label += "[" + ",".join(f.name for f in dataclasses.fields(want) if getattr(want, f.name)) + "]"
+    return label if rows is None else f"{label}@{rows}"

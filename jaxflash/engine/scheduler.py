@@ -91,6 +91,9 @@ class Scheduler:
     def __init__(self, runner: Runner, plan, vocab_size: int):
         self.runner, self.plan, self.vocab_size = runner, plan, vocab_size
         self.max_batch, self.max_seq_len = plan.max_batch, plan.max_seq_len
+        # decode buckets: a step computes the first `rows` slots only, the smallest bucket that holds every
+        # running request (new requests take the lowest free slot), so a lone request costs a batch of one
+        self.buckets = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
         self.chunk = plan.prefill_chunk
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
@@ -111,6 +114,19 @@ class Scheduler:
 
     def compile_counts(self) -> dict[str, int]:
         return self.runner.compile_counts()
+
+    def programs(self, serving: bool = True) -> list:
+        """The programs plain generation of one request runs, or (serving) all that step() and its helpers may
+        run: every decode bucket, plain and rich."""
+        base = [("admit", None), ("release", None), ("prefill", Want())]
+        if not serving:
+            return base + [("decode", PLAIN, 1)]
+        return base + [("prefill", Want(logprobs=True)), ("prefill", Want(score=True))] + [
+            ("decode", want, rows) for rows in self.buckets for want in (PLAIN, RICH)]
+
+    def warm_up(self, serving: bool = True) -> dict[str, float]:
+        """Compile the programs serving (or plain generation) uses, side by side; returns each one's seconds."""
+        return self.runner.compile(self.programs(serving))
 
     # ----- requests ---------------------------------------------------------------------------------------------
     def pages_for(self, req: Request) -> int:
@@ -134,7 +150,8 @@ class Scheduler:
         return [self._end(req, "cancelled")]
 
     def _admit(self, req: Request) -> None:
-        req.slot = self.free_slots.pop()
+        req.slot = min(self.free_slots)
+        self.free_slots.remove(req.slot)
         n = self.pages_for(req)
         req.pages = [self.free_pages.pop() for _ in range(n)]
         row = np.full(self.runner.setup.max_pages, self.plan.num_pages, np.int32)  # num_pages: not owned
@@ -240,19 +257,21 @@ class Scheduler:
 
     def _dispatch_decode(self, events: list) -> bool:
         rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
+        top = max(r.slot for r in self.running) + 1
+        rows = next(b for b in self.buckets if b >= top)
         try:
             if rich:
-                masks = np.full((self.max_batch, self.mask_words), -1, np.int32)
+                masks = np.full((rows, self.mask_words), -1, np.int32)
                 for r in self.running:
                     if r.constraint is not None:
                         masks[r.slot] = self._mask_row(r)
-                pending = self.runner.decode(RICH, masks)
+                pending = self.runner.decode(RICH, masks, rows=rows)
             else:
-                pending = self.runner.decode(PLAIN)
+                pending = self.runner.decode(PLAIN, rows=rows)
         except Exception as e:  # noqa: BLE001 -- a step that cannot run fails the requests in it
             events += self._fail(list(self.running), e)
             return False
-        self._in_flight.append(_Flight(pending, tuple(self._owner), rich=rich))
+        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), rich=rich))
         return True
 
     def _drain(self) -> list[Event]:

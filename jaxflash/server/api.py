@@ -78,6 +78,7 @@ class ServerState:
     scheduler: Any = None
     vocab: Vocab | None = None
     worker: EngineWorker | None = None
+    phase: str = "loading"  # loading -> warming up (compiling) -> ready
     error: str | None = None  # the load failed
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
@@ -179,22 +180,35 @@ async def _offload(limiter, fn, *args):
 
 
 def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 8 << 20, max_waiting: int = 256, body_timeout: float = 30.0) -> FastAPI:
-    """The app; `load()` returns (engine, tokenizer) and runs in a background thread at startup."""
+               max_body_bytes: int = 8 << 20, max_waiting: int = 256, body_timeout: float = 30.0,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The app; `load()` returns (engine, tokenizer) and runs in a background thread at startup, then every
+    program serving uses is compiled (or read from the compilation cache) before /health says ready.
+    on_load_error(message): called if that fails (scripts/serve.py stops the server: it does not stay up half
+    alive); without it the server keeps answering 503 with the error."""
     state = ServerState(model_name, api_key, max_body_bytes, max_waiting, body_timeout)
 
     def load_in_background():
         try:
             engine, tok = load()
+            state.phase = "warming up"
+            t0 = time.perf_counter()
+            seconds = engine.warm_up()
+            log.info("compiled %d programs in %.1f s (%s)", len(seconds), time.perf_counter() - t0,
+                     ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
             cfg = engine.config
             state.engine, state.scheduler = engine, engine.scheduler
             state.vocab = Vocab(tok, cfg.eos_token_ids, cfg.vocab_size)
             state.vocab.ll_tokenizer  # built now, not by the first constrained request
             state.worker = EngineWorker(state.scheduler, max_waiting=max_waiting, metrics=state.metrics)
-            log.info("ready: %s", engine.plan.summary())
+            log.info("ready")
         except BaseException as e:  # noqa: BLE001 -- reported by /health
             state.error = f"{type(e).__name__}: {e}"
-            log.exception("loading the model failed")
+            log.debug("loading the model failed", exc_info=True)
+            if on_load_error is not None:
+                on_load_error(state.error)
+            else:
+                log.error("loading the model failed: %s", state.error)
 
     async def lifespan(app):
         threading.Thread(target=load_in_background, name="jaxflash-load", daemon=True).start()
@@ -249,7 +263,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
             raise ApiError(503, f"the model failed to load: {state.error}")
         if not state.ready:
             raise ApiError(503, "the engine has stopped: " + state.worker.dead if state.worker else
-                           "the model is still loading", headers={"Retry-After": "5"})
+                           f"the model is still {state.phase}", headers={"Retry-After": "5"})
 
     async def read_body(http: Request, model):
         """The body, parsed and validated in a worker thread. The JSON parser refuses lone surrogates, NaN and
@@ -287,7 +301,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
     async def health():
         if state.ready:
             return {"status": "ok"}
-        status = "error" if state.error or (state.worker and state.worker.dead) else "loading"
+        status = "error" if state.error or (state.worker and state.worker.dead) else state.phase
         return JSONResponse({"status": status, "error": state.error or (state.worker and state.worker.dead)},
                             status_code=503)
 

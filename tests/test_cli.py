@@ -1,0 +1,69 @@
+"""The command-line tools as a user meets them: bad arguments and models that cannot be loaded end with one
+`error:` line and a non-zero status (the server too: it does not stay up answering 503), and the
+compilation cache fills on a first start so that the next one reads it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args, cache=None, timeout=300):
+    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(cache) if cache else "off")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("script,args,says", [
+    ("serve.py", ["--port", "99999"], "a TCP port is 1..65535"),
+    ("serve.py", ["--max-batch", "0"], "must be at least 1"),
+    ("serve.py", ["--vram-budget", "lots"], "cannot read 'lots' as a memory size"),
+    ("serve.py", ["--model", "/nonexistent"], "/nonexistent: no such directory"),
+    ("generate.py", ["--model", "/nonexistent", "--prompt", "x"], "/nonexistent: no such directory"),
+    ("generate.py", ["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+    ("perplexity.py", ["--model", "/nonexistent", "-f", __file__], "/nonexistent: no such directory"),
+    ("perplexity.py", ["-f", "/nonexistent/text.txt"], "/nonexistent/text.txt: No such file or directory"),
+    ("perplexity.py", ["-f", __file__, "--batch", "0"], "must be at least 1"),
+])
+def test_bad_arguments_end_in_one_line(script, args, says):
+    r = run(script, *args, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert says in r.stderr and "Traceback" not in r.stderr
+    assert len([l for l in r.stderr.splitlines() if l.startswith("error:") or ": error:" in l]) == 1, r.stderr
+
+
+def test_a_directory_that_is_no_checkpoint(tmp_path):
+    r = run("serve.py", "--model", str(tmp_path), timeout=120)
+    assert r.returncode == 2 and "not a checkpoint directory (it has no config.json)" in r.stderr
+
+
+def test_the_server_exits_when_the_model_cannot_be_planned():
+    r = run("serve.py", "--vram-budget", "1MiB", "--expert-residency", "host", "--port", str(free_port()),
+            timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "error: PlanError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_second_start_reads_the_compilation_cache(tmp_path):
+    cache = tmp_path / "xla"
+    r = run("generate.py", "--prompt", "And God said", "-n", "3", "--ignore-eos", cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() and "3 generated" in r.stderr
+    entries = set(os.listdir(cache))
+    assert any(e.startswith("jit_decode") for e in entries) and any(e.startswith("jit_prefill") for e in entries)
+    r = run("generate.py", "--prompt", "And God said", "-n", "3", "--ignore-eos", cache=cache)
+    assert r.returncode == 0 and set(os.listdir(cache)) == entries  # nothing new compiled and stored
