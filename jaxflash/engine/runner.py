@@ -4,14 +4,16 @@ Two programs run the model (both are the decoder layers of jaxflash.model.transf
 runner keeps):
   * a prefill chunk: the next C prompt tokens of one slot; when it holds the prompt's end, it samples the
     slot's first token and starts the slot decoding;
-  * a decode step: one token for every decoding slot; the sampled token stays on the device as the next
-    step's input, so the host can dispatch step n+1 before it has read step n.
+  * a decode step: one token for every decoding slot among the first `rows` (a batch-size bucket); the
+    sampled token stays on the device as the next step's input, so the host can dispatch step n+1 before it
+    has read step n.
 Each is built for a fixed `Want` (which optional outputs it returns) and returns one fixed structure,
 `StepOutput`. Two small programs admit a request into a slot and release it.
 
 All state lives in one `DecodeState` that every program donates and returns, so its buffers keep their
-addresses from step to step (what lets XLA replay one captured CUDA graph). The runner holds the weights and
-the state as flat lists of arrays, flattened once: a call hands XLA those lists as they are.
+addresses from step to step (XLA replays a program's CUDA graph only while the buffers it touches stay put;
+docs/engine.md says what still moves). The runner holds the weights and the state as flat lists of arrays,
+flattened once: a call hands XLA those lists as they are.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class StepOutput:
     logits: Array | None  # Want.logits: [B, V] / [V] float32
     draft_logits: Array | None  # Want.logits with an MTP head: [B, V] / [V]
     prompt_logprobs: LogProbs | None  # Want.score: [C] for the given next tokens of a prefill chunk
-    ple_status: Array | None  # int32[4]: the PLE host step's status words (PLE models)
+    ple_status: Array | None  # int32[2]: the PLE host step's status words (PLE models)
     cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
     expert_misses: Array  # int32: experts copied into the VRAM caches by this step (decode, host residency)
     expert_lookups: Array  # int32: distinct (layer, expert) uses looked up in them

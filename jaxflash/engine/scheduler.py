@@ -84,7 +84,6 @@ class _Flight:
     pending: Pending
     owners: tuple  # decode: the request in each slot when it was dispatched (None: no one)
     first_of: Request | None = None  # prefill: the request whose first token it sampled
-    rich: bool = False  # its output holds logprobs
 
 
 class Scheduler:
@@ -220,7 +219,7 @@ class Scheduler:
         for _, piece, buf, last, follow in self._chunks(tokens):
             pending = self.runner.prefill(req.slot, buf, len(piece), last, mask, follow, want)
         self.stats.prompt_tokens += len(req.prompt)
-        return _Flight(pending, (), first_of=req, rich=want.logprobs)
+        return _Flight(pending, (), first_of=req)
 
     def _admit_next(self) -> list[Event]:
         req = self.pending.popleft()
@@ -271,7 +270,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 -- a step that cannot run fails the requests in it
             events += self._fail(list(self.running), e)
             return False
-        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), rich=rich))
+        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows])))
         return True
 
     def _drain(self) -> list[Event]:
