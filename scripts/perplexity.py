@@ -38,8 +38,11 @@ def score(args) -> int:
     from jaxflash.perplexity import perplexity
     from jaxflash.tokenizer import Tokenizer
 
-    with open(args.file, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    try:
+        with open(args.file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {args.file}: {e.strerror}") from None
     model_dir = args.model or jaxflash.DEFAULT_MODEL
     Checkpoint.open(model_dir, validate=False)  # a bad path fails here, before anything heavy
     cli.setup("warning", args.compile_cache)

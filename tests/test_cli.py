@@ -36,7 +36,7 @@ def free_port() -> int:
     ("generate.py", ["--model", "/nonexistent", "--prompt", "x"], "/nonexistent: no such directory"),
     ("generate.py", ["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     ("perplexity.py", ["--model", "/nonexistent", "-f", __file__], "/nonexistent: no such directory"),
-    ("perplexity.py", ["-f", "/nonexistent/text.txt"], "/nonexistent/text.txt: No such file or directory"),
+    ("perplexity.py", ["-f", "/nonexistent/text.txt"], "cannot read /nonexistent/text.txt: No such file"),
     ("perplexity.py", ["-f", __file__, "--batch", "0"], "must be at least 1"),
 ])
 def test_bad_arguments_end_in_one_line(script, args, says):
