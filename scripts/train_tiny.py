@@ -501,10 +501,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "jaxflash", "assets", "default_model"))
     ap.add_argument("--work", default=os.path.join(ROOT, "build", "train_tiny"), help="held-out text, bf16 export")
-    ap.add_argument("--steps", type=int, default=2200, help="optimizer steps (the LR schedule spans them)")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (the LR schedule spans them)")
     ap.add_argument("--minutes", type=float, default=50.0,
                     help="training time limit: the LR schedule follows whichever of steps and time runs out first")
-    ap.add_argument("--batch", type=int, default=7, help="windows of document text per step")
+    ap.add_argument("--batch", type=int, default=8, help="windows of document text per step")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--chat-windows", type=int, default=1, help="windows of chat conversations per step")
     ap.add_argument("--chat-seq", type=int, default=384, help="their length: most conversations with tools fit")
