@@ -289,6 +289,13 @@ def build_tokenizer(vocab_size: int, corpus: list[str] | None = None):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus or _CORPUS.splitlines(keepends=True), trainer)
+    # The trainer marks every token it was given special; the markup (<think>, <tool_call>, ...) is ordinary
+    # output text, as tokenizer_config.json says, so tokenizer.json must say so too (grammars name it as text,
+    # decoding that skips special tokens keeps it). Matching it as one token in text is unchanged.
+    spec = json.loads(tok.to_str())
+    for t in spec["added_tokens"]:
+        t["special"] = dict(SPECIAL_TOKENS)[t["content"]]
+    tok = Tokenizer.from_str(json.dumps(spec))
     for t, _ in SPECIAL_TOKENS:
         assert tok.token_to_id(t) == TOKEN_IDS[t], t
     if tok.get_vocab_size() > vocab_size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 from pathlib import Path
 
 
@@ -44,6 +45,13 @@ class Tokenizer:
         (tools, enable_thinking, ...) are passed to the template."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "", **kwargs)
+
+    @cached_property
+    def _template(self):
+        """The chat template compiled once (compiling costs far more than rendering)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
@@ -53,9 +61,7 @@ class Tokenizer:
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.config.get("bos_token") or "", eos_token=self.config.get("eos_token") or "", **kwargs)
+        return env.from_string(self.chat_template)
 
     def special_ids(self) -> set[int]:
         """Ids of the added special tokens."""

@@ -228,6 +228,12 @@ def test_bundled_model_is_the_trained_release_layout():
     assert ckpt.info(next(n for n in names if "ngram_embedding.shard_0" in n)).dtype == "F8_E4M3"
     report = json.loads((d / "training_report.json").read_text())
     assert report["heldout_ppl_nvfp4"]["ppl"] < 40  # trained: a random model scores ~2000
+    # the tokenizer's two files agree on which added tokens are special: control tokens yes, markup no
+    spec = {t["content"]: t["special"] for t in json.loads((d / "tokenizer.json").read_text())["added_tokens"]}
+    decl = json.loads((d / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert spec == {t["content"]: t["special"] for t in decl.values()}
+    assert spec["<|im_end|>"] and spec["<|im_start|>"] and spec["<|endoftext|>"]
+    assert not any(spec[t] for t in ("<think>", "</think>", "<tool_call>", "</tool_call>"))
 
 
 def test_mtp_drafts_equal_the_teacher_forced_head(on_device):

@@ -155,6 +155,11 @@ def test_tokenizer_and_chat_template(made):
     assert tok.convert_tokens_to_ids("<|endoftext|>") == c.eos_token_id
     ids = tok("hi <tool_call> there<|im_end|>").input_ids
     assert ids[-1] == 2 and 5 in ids and tok.decode(ids, skip_special_tokens=True) == "hi <tool_call> there"
+    # both files say which added tokens are control tokens, and they agree: markup is text
+    spec = json.load(open(os.path.join(made["bf16"], "tokenizer.json")))
+    decl = json.load(open(os.path.join(made["bf16"], "tokenizer_config.json")))["added_tokens_decoder"]
+    assert {t["content"]: t["special"] for t in spec["added_tokens"]} == dict(synthetic.SPECIAL_TOKENS)
+    assert {t["content"]: t["special"] for t in decl.values()} == dict(synthetic.SPECIAL_TOKENS)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
             {"role": "assistant", "content": "", "reasoning_content": "use the tool",

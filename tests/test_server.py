@@ -1,9 +1,10 @@
 """The HTTP server, driven by the official openai and anthropic SDKs, on the bundled model.
 
-Tool calls, reasoning and stop strings need outputs the small model does not produce on its own. Those tests
-force the output through the same token-mask path as response_format: `guided_grammar`, a Lark grammar
-naming the exact text (with the tokenizer's <tool_call>/<think> tokens), so the real engine, sampler,
-detokenizer, parser and stream formats are exercised end to end.
+The bundled model ends its turns and writes tool calls by itself (test_the_model_ends_turns_and_calls_tools),
+but not reliably the exact text a test needs. Tests of tool calls, reasoning and stop strings therefore force
+the output through the same token-mask path as response_format: `guided_grammar`, a Lark grammar naming the
+exact text (with the tokenizer's <tool_call>/<think> tokens), so the real engine, sampler, detokenizer, parser
+and stream formats are exercised end to end.
 """
 
 from __future__ import annotations
@@ -95,6 +96,21 @@ def test_tool_call_round_trip(oai, tok):
              {"role": "tool", "tool_call_id": tc.id, "content": "sunny, 21 C"}]
     again = oai.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER], max_tokens=5)
     assert again.choices[0].message.content is not None
+
+
+def test_the_model_ends_turns_and_calls_tools(oai):
+    """Unforced, greedy: the bundled model (trained on chat turns, scripts/train_tiny.py) ends a reply with
+    <|im_end|> well before max_tokens, and asked with a tool a question that needs it, it writes a <tool_call>
+    block that the server returns as tool_calls. It does not reliably pick the right name or arguments
+    (scripts/eval_chat.py measures that), so only the form is checked here."""
+    for q in ("Quote John 3:16.", "What is a list?", "What does os.getcwd() do?"):
+        r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}], max_tokens=200,
+                                        temperature=0)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200, (q, r.choices[0])
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = oai.chat.completions.create(model="tiny", messages=weather, tools=[WEATHER], max_tokens=100, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls, r.choices[0]
+    assert isinstance(json.loads(r.choices[0].message.tool_calls[0].function.arguments), dict)
 
 
 def test_xml_tool_call_and_reasoning_streamed(oai, tok):

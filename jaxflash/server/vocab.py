@@ -3,10 +3,10 @@ second encoder that reads control tokens written in text as plain text, and the 
 the same tables.
 
 Which added tokens are special comes from tokenizer_config.json (`added_tokens_decoder`), falling back to
-tokenizer.json. The bundled checkpoint disagrees between the two: its tokenizer.json marks `<think>`,
-`<tool_call>` and the other markup tokens (ids 3-8) special, its tokenizer_config.json says they are not. The
-config is what the model was trained with (the markup is ordinary output text), so it wins here; llguidance,
-left to read tokenizer.json, would treat those ids as control tokens that no grammar text can match.
+tokenizer.json. The two files can disagree (checkpoints written before jaxflash's tokenizer builder fixed it
+marked `<think>`, `<tool_call>` and the other markup tokens special in tokenizer.json only); the config wins,
+because the markup is ordinary output text there, and llguidance gets the resulting table rather than reading
+tokenizer.json, where it would treat those ids as control tokens that no grammar text can match.
 """
 
 from __future__ import annotations
