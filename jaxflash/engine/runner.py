@@ -233,30 +233,29 @@ def _set_row(tree, slot, row):
     return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, row)
 
 
-def _per_slot(layers: tuple, fn) -> tuple:
-    """fn applied to each layer state's per-slot parts (GDN rows, PLE conv rows); the shared KV pages as they
-    are."""
-    return tuple(LayerState(s.mixer if isinstance(s.mixer, PagedKV) else fn(s.mixer),
-                            None if s.ple_conv is None else fn(s.ple_conv)) for s in layers)
+def _per_slot(fn, *layers: tuple) -> tuple:
+    """fn over the per-slot parts (GDN rows, PLE conv rows) of aligned tuples of layer states, one argument per
+    tuple: fn(part) to read rows, fn(old, new) to write them. The shared KV pages come from the last tuple as
+    they are."""
+    def one(*states: LayerState) -> LayerState:
+        last = states[-1]
+        mixer = last.mixer if isinstance(last.mixer, PagedKV) else fn(*(s.mixer for s in states))
+        return LayerState(mixer, None if last.ple_conv is None else fn(*(s.ple_conv for s in states)))
 
-
-def _per_slot2(layers: tuple, new: tuple, fn) -> tuple:
-    """fn(old, new) for the per-slot parts; the shared KV pages from `new`."""
-    return tuple(LayerState(n.mixer if isinstance(n.mixer, PagedKV) else fn(o.mixer, n.mixer),
-                            None if o.ple_conv is None else fn(o.ple_conv, n.ple_conv)) for o, n in zip(layers, new))
+    return tuple(one(*states) for states in zip(*layers))
 
 
 def _first_rows(st: DecodeState, rows: int) -> DecodeState:
     """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows, shared parts
     (KV pages, expert caches) whole."""
     cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
-    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(st.layers, cut), sampling=cut(st.sampling),
+    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut, st.layers), sampling=cut(st.sampling),
                                active=st.active[:rows], last_token=st.last_token[:rows])
 
 
 def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState:
     put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
-    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs), layers=_per_slot2(st.layers, sub.layers, put),
+    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs), layers=_per_slot(put, st.layers, sub.layers),
                                sampling=put(st.sampling, sub.sampling), active=put(st.active, sub.active),
                                last_token=put(st.last_token, sub.last_token))
 
@@ -273,9 +272,9 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     batch = TokenBatch.after(seq.lengths, n[None], tokens.shape[0], seq.page_table)
     rows, context, ple_status = _ple_rows(setup, tokens[None], seq.ple_context, n[None])
     experts = st.staging if setup.host is not None else ResidentExperts()
-    states = _per_slot(st.layers, lambda t: _row(t, slot))
+    states = _per_slot(lambda t: _row(t, slot), st.layers)
     h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids)
-    layers = _per_slot2(st.layers, states, lambda t, r: _set_row(t, slot, r))
+    layers = _per_slot(lambda t, r: _set_row(t, slot, r), st.layers, states)
     h_last = h[0, n - 1]
     logits = final_logits(params, cfg, h_last)
     with jax.named_scope("sampling"):
