@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="host,device", help="comma-separated: host (budgeted), device")
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoded together)")
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
+    ap.add_argument("--kernel", default="auto",
+                    help="comma-separated: auto (decode experts by the NVFP4 kernels on a GPU), off (the jnp path)")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
@@ -303,18 +306,19 @@ def main(argv=None) -> int:
     # Plan every configuration first, from the device's free memory before anything big is allocated; each
     # runner allocates its state (KV, expert caches) on its first call and frees it after its run.
     configs = []
-    for mode in modes:
-        for batch in batches:
-            for routing in routings:
-                free, note = planner.device_free_bytes(dev)
-                plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=batch,
-                                    budget=planner.parse_bytes(args.budget) if mode == "host" else None,
-                                    max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                                    dtype_bytes=jnp.dtype(args.dtype).itemsize)
-                name = f"{mode}-b{batch}-{routing}"
-                if args.only and name not in args.only.split(","):
-                    continue
-                configs.append((name, mode, batch, routing, plan))
+    kernels = args.kernel.split(",")
+    if not set(kernels) <= {"auto", "off"}:
+        ap.error(f"--kernel takes auto and/or off, got {args.kernel!r}")
+    for mode, batch, routing, kern in itertools.product(modes, batches, routings, kernels):
+        free, note = planner.device_free_bytes(dev)
+        plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=batch,
+                            budget=planner.parse_bytes(args.budget) if mode == "host" else None,
+                            max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                            dtype_bytes=jnp.dtype(args.dtype).itemsize)
+        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
+        if args.only and name not in args.only.split(","):
+            continue
+        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False))
     device_params = None
     if "device" in modes:
         layers = []
@@ -325,7 +329,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(device_params)
 
     engines = []
-    for name, mode, batch, routing, plan in configs:
+    for name, mode, batch, routing, plan, expert_kernel in configs:
         feed = None
         if routing == "calibrated":
             from routing import RoutingModel
@@ -337,7 +341,7 @@ def main(argv=None) -> int:
             feed = StreamRouting(ids)
         host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
-                     ngram=ngram, routing=feed)
+                     ngram=ngram, routing=feed, expert_kernel=expert_kernel)
         for n in plan.notes:
             log(f"  {name}: plan: {n}")
         engines.append((name, eng))
@@ -356,7 +360,7 @@ def main(argv=None) -> int:
     if gbps:
         log(f"zero-copy gather alone: {gbps:.1f} GB/s (186 random records)")
     res["gather_gbps"] = gbps
-    for (name, eng), (_, mode, batch, routing, plan) in zip(engines, configs):
+    for (name, eng), (_, mode, batch, routing, plan, _kern) in zip(engines, configs):
         prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(batch)]
         trace_dir = os.path.join(traces, name)
         run = run_config(name, eng, prompts, args, trace_dir, gbps, layout)

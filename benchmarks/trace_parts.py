@@ -52,6 +52,8 @@ PARTS = [
 KERNEL_PARTS = [
     ("gather_zero_copy_kernel", "expert gather (PCIe)"),
     ("resolve_kernel", "expert cache resolve"),
+    ("nvfp4_gate_up", "routed experts"),  # the Pallas expert kernels (jaxflash/kernels/nvfp4_experts.py)
+    ("nvfp4_down", "routed experts"),
 ]
 
 

@@ -50,12 +50,15 @@ class Engine:
     def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp: bool | None = None,
-                 routing: runner_mod.RoutingSource | None = None):
+                 routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one).
-        routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource)."""
+        routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
+        expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
+        NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics)."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
+        self.expert_kernel = expert_kernel
         if mtp and params.mtp is None:
             raise ValueError("mtp=True: this checkpoint has no MTP head")
         self.mtp = params.mtp is not None if mtp is None else mtp
@@ -165,7 +168,8 @@ class Engine:
         return runner_mod.Setup(cfg, plan.max_batch, plan.num_pages, plan.page_size,
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 self.host_experts, table, hash_,
-                                None if scale is None else float(scale), self.mtp, self.routing)
+                                None if scale is None else float(scale), self.mtp, self.routing,
+                                self.expert_kernel)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -255,7 +259,8 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
 def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
-         progress: bool | None = None, routing: runner_mod.RoutingSource | None = None) -> Engine:
+         progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
+         expert_kernel: bool | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -268,6 +273,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
+    expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
+    elsewhere runs them in interpret mode, False keeps the jnp path everywhere).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -317,4 +324,4 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
         host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp,
-                  routing=routing)
+                  routing=routing, expert_kernel=expert_kernel)

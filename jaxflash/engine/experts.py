@@ -4,7 +4,7 @@ return updated (see jaxflash.model.moe, "expert source"):
 
   * CachedExperts (decode steps): a per-layer LRU cache of VRAM slots. The layer's routed ids are resolved
     against it on the device (FFI resolve), only the misses are copied in (FFI gather), and the experts are
-    computed from their slots.
+    computed from their slots (on a GPU by the NVFP4 expert kernels, which read the slot records in place).
   * StagedExperts (prefill chunks): the experts a chunk hits are copied into one staging area, `staging`
     records at a time, and computed there (the tiled path); the decode cache is left as it is.
 """
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .. import ffi
 from ..model.base import Array, pytree_dataclass, static
+from ..kernels import nvfp4_experts
 from ..model.moe import NVFP4, Experts, MoE, experts_gather, tiled_with_fetch
 
 
@@ -31,6 +32,13 @@ class HostExperts:
     slots: int  # cache slots per layer (decode)
     staging: int  # records staged at once (prefill)
     gather_mode: str = "auto"
+    kernel: bool | None = None  # compute decode experts with the NVFP4 kernels (None: for NVFP4 on a GPU)
+
+    def use_kernel(self, x) -> bool:
+        if self.kernel is not None:
+            return self.kernel
+        return (self.layout.kind == "nvfp4" and nvfp4_experts.on_gpu()
+                and x.dtype in (jnp.bfloat16, jnp.float32) and x.shape[0] <= nvfp4_experts.MAX_TOKENS)
 
     @property
     def num_experts(self) -> int:
@@ -83,7 +91,11 @@ class CachedExperts:
         with jax.named_scope("gather"):
             slots = ffi.gather(r.misses, r.info, self.slots[layer], pool=host.pool, layer=layer,
                                mode=host.gather_mode)
-        y = experts_gather(records_as_experts(host.layout, slots), x, r.slots, w)
+        if host.use_kernel(x):
+            place, operands = nvfp4_experts.record_operands(host.layout, slots)
+            y = nvfp4_experts.routed_experts(place, operands, x, r.slots, w)
+        else:
+            y = experts_gather(records_as_experts(host.layout, slots), x, r.slots, w)
         return y, CachedExperts(_set(self.lru, layer, r.state), _set(self.slots, layer, slots),
                                 _set(self.status, layer, r.info), host)
 

@@ -83,6 +83,7 @@ class Setup:
     table_scale: float | None = None  # the FP8 table's global scale
     mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
+    expert_kernel: bool | None = None  # decode's routed experts by the NVFP4 kernels (None: where they apply)
 
 
 class RoutingSource:
@@ -110,7 +111,9 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
                     page_table=jnp.full((b, setup.max_pages), setup.num_pages, jnp.int32), ple_context=ctx)
     experts = staging = None
     if setup.host is not None:
-        experts = CachedExperts.empty(setup.host, cfg.num_hidden_layers)
+        host = setup.host if setup.expert_kernel is None else dataclasses.replace(setup.host,
+                                                                                   kernel=setup.expert_kernel)
+        experts = CachedExperts.empty(host, cfg.num_hidden_layers)
         staging = StagedExperts.empty(setup.host)
     mtp = None
     if setup.mtp:
@@ -201,7 +204,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     batch = TokenBatch.after(st.seqs.lengths, n_new, 1, st.seqs.page_table)
     fed = st.last_token[:, None]
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
-    experts = st.experts if setup.host is not None else ResidentExperts()
+    experts = st.experts if setup.host is not None else ResidentExperts(
+        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
     h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids)
     logits = final_logits(params, cfg, h[:, 0])
     with jax.named_scope("sampling"):

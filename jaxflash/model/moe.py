@@ -1,7 +1,9 @@
 """Sparse MoE with a shared expert (docs/model.md §10).
 
 Routed experts are stored either dense ([E, out, in], BF16/F32 checkpoints) or as NVFP4 (`NVFP4` below,
-dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Three ways to run them:
+dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Ways to run them:
+  * kernel: NVFP4 experts on a GPU at decode sizes: the Pallas kernels of jaxflash.kernels.nvfp4_experts read
+    the 4-bit weights where they are; `experts_gather` is their twin.
   * gather: per (token, k) take that expert's weights. Cheap when tokens*top_k is small (decode).
   * tiled: sort the (token, k) pairs by expert into tiles of one expert each; batched matmuls over tiles
     (prefill; memory bounded at any length).
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
+from ..kernels import nvfp4_experts
 from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, up
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
@@ -204,7 +207,19 @@ def tiled_with_fetch(fetch, carry, x: Array, idx: Array, w: Array, num_experts: 
     return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys), carry
 
 
-EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled}
+def experts_kernel(e: Experts, x: Array, idx: Array, w: Array) -> Array:
+    """experts_gather's sum by the NVFP4 expert kernels (compiled on a GPU, interpret mode elsewhere)."""
+    place, operands = nvfp4_experts.resident_operands(e)
+    return nvfp4_experts.routed_experts(place, operands, x, idx, w)
+
+
+def kernel_applies(e: Experts, x: Array, idx: Array) -> bool:
+    """Whether "auto" takes the kernel: NVFP4 experts, bf16/f32 tokens, decode-sized, compiling for a GPU."""
+    return (nvfp4_experts.on_gpu() and nvfp4_experts.is_nvfp4(e.gate) and x.dtype in (jnp.bfloat16, jnp.float32)
+            and idx.shape[0] <= nvfp4_experts.MAX_TOKENS and idx.size <= jax.tree.leaves(e.gate)[0].shape[0])
+
+
+EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel}
 
 
 @pytree_dataclass
@@ -224,8 +239,9 @@ class Routing:
 # ResidentExperts is the one for experts held in the parameters; jaxflash.engine.experts has the host-pool ones.
 @pytree_dataclass
 class ResidentExperts:
-    """Routed experts held in the parameters (every expert in device memory). impl: "gather", "tiled",
-    "ragged", or "auto" (gather while the tokens' expert uses are fewer than the experts, tiled beyond)."""
+    """Routed experts held in the parameters (every expert in device memory). impl: "kernel", "gather",
+    "tiled", "ragged", or "auto": while the tokens' expert uses are fewer than the experts, the kernel for NVFP4
+    experts on a GPU and gather otherwise; tiled beyond."""
 
     impl: str = static("auto")
 
@@ -235,7 +251,10 @@ class ResidentExperts:
                              "pass the engine's expert source")
         impl = self.impl
         if impl == "auto":
-            impl = "gather" if ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0] else "tiled"
+            if kernel_applies(p.experts, x, ids):
+                impl = "kernel"
+            else:
+                impl = "gather" if ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0] else "tiled"
         if impl not in EXPERT_PATHS:
             raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
         return EXPERT_PATHS[impl](p.experts, x, ids, w), self

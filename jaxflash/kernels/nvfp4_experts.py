@@ -1,0 +1,370 @@
+"""Routed experts of a decode step straight from NVFP4 weights: two Pallas kernels (Triton backend on the GPU).
+
+For N tokens with top-k expert ids `ids` [N, k] (expert ids into resident weights, or VRAM cache slot ids) the
+pair computes, for every (token n, choice j),
+
+    act[n, j] = bf16( silu(bf16(gate_e x_n)) * bf16(up_e x_n) )          e = ids[n, j]   (gate_up kernel)
+    y[n, j]   = bf16( down_e act[n, j] )                                                  (down kernel)
+
+and `routed_experts` returns sum_j w[n, j] * y[n, j] in float32: exactly the arithmetic of
+`jaxflash.model.moe.experts_gather`, its pure-jnp twin, which is the CPU path and the tests' oracle.
+
+Why this shape:
+  * The weights are read where they live, as NVFP4 bytes: the resident expert tensors, or a cache slot's record
+    (one uint8 row per slot, sections at the offsets of jaxflash.ffi.ExpertLayout). Ids arrive as device data;
+    each program loads its expert's rows by address. Nothing is dequantised to memory.
+  * One program per (pair, block of output rows). A program whose expert already appeared at an earlier pair of
+    the step does nothing; the first one computes the rows of every token that chose that expert, so an expert
+    shared by several tokens of a batch (or by the K+1 rows of a speculative verify) is read once.
+  * E2M1 is unpacked with integer bit operations (Hopper has no FP4 conversion): a code's three magnitude bits
+    and its sign are placed into a float16 bit pattern, which is the E2M1 value times 2^-14, exactly, including
+    the 0.5 that float16 holds as a subnormal; the 2^14 is folded into the FP8 block scale.
+  * The sum over the top-k is left to XLA (one small fusion with the shared expert's add): a per-pair output
+    keeps the result deterministic, where an in-kernel atomic sum would not be.
+
+jax 0.11 warns that the Pallas Triton backend is deprecated; the routes after it are Mosaic GPU (no FP4
+conversion on Hopper, but the integer unpacking here needs none) or Triton through jax-triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
+
+_BYTES_PER_GROUP = NVFP4_GROUP // 2  # one FP8 scale per 8 packed bytes (16 codes)
+_TWO14 = float(2**14)
+MAX_TOKENS = 16  # the kernels unroll a branch per token: decode batches and verify rows, not prefill chunks
+
+
+# ----- where the weights are -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """One tensor of an expert inside operand `arg` (2-D: [experts or slots, elements per expert]): it starts
+    at element `offset` of its expert's row. kind: "u8" packed codes, "f8" FP8 scales (typed), "f8u8" FP8 scales
+    stored as raw bytes, "f32" a float32 scalar, "f32u8" a float32 scalar stored as 4 raw bytes."""
+
+    arg: int
+    offset: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where gate, up and down (codes, block scales, global scale) of every expert sit among the operands."""
+
+    hidden: int  # H: gate/up inputs, down outputs
+    inter: int  # I: gate/up outputs, down inputs
+    gate: Part
+    up: Part
+    down: Part
+    gate_scale: Part
+    up_scale: Part
+    down_scale: Part
+    gate_s2: Part
+    up_s2: Part
+    down_s2: Part
+
+
+def is_nvfp4(m) -> bool:
+    return all(hasattr(m, f) for f in ("packed", "scale", "scale2"))
+
+
+def resident_operands(e) -> tuple[Placement, tuple[Array, ...]]:
+    """Resident NVFP4 experts (jaxflash.model.moe.Experts of NVFP4 stacks) as kernel operands: each tensor
+    reshaped to [E, elements] (a free view)."""
+    for m in (e.gate, e.up, e.down):
+        if not is_nvfp4(m):
+            raise TypeError("the NVFP4 expert kernel needs NVFP4 experts")
+    n_exp, inter, half_h = e.gate.packed.shape
+    hidden = 2 * half_h
+    ops, parts = [], []
+    for a, kind in ((e.gate.packed, "u8"), (e.up.packed, "u8"), (e.down.packed, "u8"),
+                    (e.gate.scale, "f8"), (e.up.scale, "f8"), (e.down.scale, "f8"),
+                    (e.gate.scale2, "f32"), (e.up.scale2, "f32"), (e.down.scale2, "f32")):
+        parts.append(Part(len(ops), 0, kind))
+        ops.append(a.reshape(n_exp, -1))
+    return Placement(hidden, inter, *parts), tuple(ops)
+
+
+def record_operands(layout, slots: Array) -> tuple[Placement, tuple[Array, ...]]:
+    """VRAM cache slots (uint8 [S, record_bytes], jaxflash.ffi.ExpertLayout "nvfp4") as the kernel's one
+    operand: every tensor is read at its byte offset inside the slot's record."""
+    if layout.kind != "nvfp4":
+        raise ValueError(f"the NVFP4 expert kernel reads NVFP4 records, not {layout.kind!r}")
+    h, i, s = layout.hidden_size, layout.intermediate_size, layout.sections
+    gw, dw, gs, ds, s2 = (s[k].offset for k in
+                          ("gate_up_weight", "down_weight", "gate_up_scale", "down_scale", "scale_2"))
+    place = Placement(h, i, Part(0, gw, "u8"), Part(0, gw + i * h // 2, "u8"), Part(0, dw, "u8"),
+                      Part(0, gs, "f8u8"), Part(0, gs + i * h // 16, "f8u8"), Part(0, ds, "f8u8"),
+                      Part(0, s2, "f32u8"), Part(0, s2 + 4, "f32u8"), Part(0, s2 + 8, "f32u8"))
+    return place, (slots,)
+
+
+# ----- tuning ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tiles:
+    """Per-program work: `rows_gu` gate/up output rows and `rows_down` down output rows; the inputs are walked
+    `chunk_gu` / `chunk_down` packed bytes at a time (powers of two dividing H/2 and I/2, multiples of 8).
+    The defaults are the fastest of a sweep at batch 1 on the H200 (benchmarks/expert_kernel.py)."""
+
+    rows_gu: int = 8
+    rows_down: int = 16
+    chunk_gu: int = 256
+    chunk_down: int = 64
+    warps_gu: int = 2
+    warps_down: int = 2
+    stages: int = 2
+    unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def fit_tiles(place: Placement, t: Tiles) -> Tiles:
+    """The tiles clamped to the shapes (tiny test models have H, I far under the defaults)."""
+    h, i = place.hidden, place.inter
+    return Tiles(rows_gu=_pow2_divisor(i, t.rows_gu), rows_down=_pow2_divisor(h, t.rows_down),
+                 chunk_gu=max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu)),
+                 chunk_down=max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down)),
+                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll)
+
+
+# ----- in-kernel pieces ------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _i32(v):
+    return jnp.asarray(v, jnp.int32)
+
+
+def _group(ids_ref, p, n_tok: int, k: int):
+    """For the expert e of pair p: (e, whether p is its first pair, and per token n (Python lists of scalars):
+    whether n chose e, and the pair n*k + j where it did). Triton has no element access into a block, so
+    every per-token value is its own reduction."""
+    npad, kpad = _pow2(n_tok), _pow2(k)
+    tok = jnp.arange(npad, dtype=jnp.int32)[:, None]
+    col = jnp.arange(kpad, dtype=jnp.int32)[None, :]
+    inside = (tok < n_tok) & (col < k)
+    flat = jnp.where(inside, tok * k + col, 0)
+    e = ids_ref[p]
+    eq = (ids_ref[flat] == e) & inside  # [npad, kpad]
+    first = jnp.min(jnp.where(eq, flat, n_tok * k)) == p
+    cols = jnp.arange(kpad, dtype=jnp.int32)
+    hits, pairs = [], []
+    for n in range(n_tok):
+        row = (ids_ref[n * k + jnp.minimum(cols, k - 1)] == e) & (cols < k)
+        choice = jnp.min(jnp.where(row, cols, k))  # k: not chosen (the pair is clamped, and unused)
+        hits.append(jnp.max(row.astype(jnp.int32)) > 0)
+        pairs.append(jnp.minimum(n * k + choice, n_tok * k - 1))
+    return e, first, hits, pairs
+
+
+def _block_offsets(row0, rows: int, stride: int, col0, groups: int):
+    """Element offsets [rows, groups, 8] of a tile: rows row0.., each `stride` long, bytes col0.. of each row."""
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
+    g = jnp.arange(groups, dtype=jnp.int32)[None, :, None]
+    b = jnp.arange(_BYTES_PER_GROUP, dtype=jnp.int32)[None, None, :]
+    return (row0 + r) * stride + col0 + g * _BYTES_PER_GROUP + b
+
+
+def _scale_offsets(row0, rows: int, stride: int, col0, groups: int):
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    g = jnp.arange(groups, dtype=jnp.int32)[None, :]
+    return (row0 + r) * stride + col0 + g
+
+
+def _codes(refs, part: Part, e, offs):
+    return refs[part.arg][e, part.offset + offs]
+
+
+def _scales(refs, part: Part, e, offs):
+    """FP8 block scales as float32, times 2^14 (see _unpack)."""
+    raw = refs[part.arg][e, part.offset + offs]
+    if part.kind == "f8u8":
+        raw = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+    return raw.astype(jnp.float32) * _TWO14
+
+
+def _global_scale(refs, part: Part, e):
+    if part.kind == "f32":
+        return refs[part.arg][e, part.offset].astype(jnp.float32)
+    b = refs[part.arg][e, part.offset + jnp.arange(4, dtype=jnp.int32)].astype(jnp.int32)
+    word = jnp.sum(b << (8 * jnp.arange(4, dtype=jnp.int32)))  # little-endian bytes; the shifts do not overlap
+    return jax.lax.bitcast_convert_type(word, jnp.float32)
+
+
+def _f16_bits_to_f32(h):
+    return jax.lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16).astype(jnp.float32)
+
+
+def _unpack(packed):
+    """uint8 bytes -> (low-nibble values, high-nibble values) as float32, each E2M1 value * 2^-14: a code's three
+    magnitude bits go to float16 bits 9..11 and its sign to bit 15 (code 8, negative zero, gives -0.0)."""
+    b = packed.astype(jnp.int32)
+    lo = ((b & 0x07) << 9) | ((b & 0x08) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return _f16_bits_to_f32(lo), _f16_bits_to_f32(hi)
+
+
+def _inputs(ref, row, col0, groups: int):
+    """The inputs paired with a tile's low and high nibbles: elements 2c and 2c+1 of row `row` for the bytes
+    c = col0 + [groups, 8], as float32."""
+    c = col0 + (jnp.arange(groups, dtype=jnp.int32)[:, None] * _BYTES_PER_GROUP
+                + jnp.arange(_BYTES_PER_GROUP, dtype=jnp.int32)[None, :])
+    return ref[row, 2 * c].astype(jnp.float32), ref[row, 2 * c + 1].astype(jnp.float32)
+
+
+def _dot_tile(lo, hi, sc, xe, xo):
+    """sum over each group of (lo * xe + hi * xo), times the group's scale: [rows, groups]."""
+    return jnp.sum(lo * xe[None] + hi * xo[None], axis=-1) * sc
+
+
+def _walk(steps: int, unroll: int, load, compute, acc):
+    """acc = compute(load(s), s, acc) for s < steps. Up to `unroll` steps are unrolled with every load issued
+    before the first compute, so a program has all its weight bytes in flight at once (a decode program reads
+    only a few KB: latency, not bandwidth, bounds it otherwise); longer walks run as a loop."""
+    if steps <= unroll:
+        tiles = [load(s) for s in range(steps)]
+        for s in range(steps):
+            acc = compute(tiles[s], s, acc)
+        return acc
+    return jax.lax.fori_loop(0, steps, lambda s, a: compute(load(s), s, a), acc)
+
+
+def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Part, ...],
+                 scales: tuple[Part, ...]):
+    """load(step): the codes (uint8 [rows, groups, 8]) and block scales (float32 [rows, groups]) of chunk
+    `step` of rows row0.. of each matrix, for matrices with `in_dim` inputs."""
+    groups = chunk // _BYTES_PER_GROUP
+
+    def load(step):
+        offs = _block_offsets(row0, rows, in_dim // 2, step * chunk, groups)
+        soffs = _scale_offsets(row0, rows, in_dim // NVFP4_GROUP, step * groups, groups)
+        return (tuple(_codes(w, c, e, offs) for c in codes), tuple(_scales(w, c, e, soffs) for c in scales))
+
+    return load
+
+
+# ----- the kernels -----------------------------------------------------------------------------------------------
+# Grid (pair, block of output rows). Only the first pair of each distinct expert works; it runs once per token
+# that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat reads the
+# expert's few KB per program again from L1/L2, not from HBM).
+def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles):
+    *w, act_ref = refs
+    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
+    rows, chunk = t.rows_gu, t.chunk_gu
+    groups = chunk // _BYTES_PER_GROUP
+    half_h = place.hidden // 2
+    row0 = pl.program_id(1) * rows
+    dt = act_ref.dtype
+    load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
+                        (place.gate_scale, place.up_scale))
+
+    for r in range(n_tok):
+        @pl.when(first & hit[r])
+        def _():
+            def compute(tile, step, acc):
+                (gw, uw), (g_sc, u_sc) = tile
+                xe, xo = _inputs(x_ref, _i32(r), step * chunk, groups)
+                return (acc[0] + _dot_tile(*_unpack(gw), g_sc, xe, xo),
+                        acc[1] + _dot_tile(*_unpack(uw), u_sc, xe, xo))
+
+            zero = jnp.zeros((rows, groups), jnp.float32)
+            acc = _walk(half_h // chunk, t.unroll, load, compute, (zero, zero))
+            g_s2, u_s2 = _global_scale(w, place.gate_s2, e), _global_scale(w, place.up_s2, e)
+            g = (jnp.sum(acc[0], axis=1) * g_s2).astype(dt).astype(jnp.float32)
+            u = (jnp.sum(acc[1], axis=1) * u_s2).astype(dt).astype(jnp.float32)
+            a = (g * jax.nn.sigmoid(g) * u).astype(dt)
+            act_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = a
+
+
+def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles):
+    *w, y_ref = refs
+    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
+    rows, chunk = t.rows_down, t.chunk_down
+    groups = chunk // _BYTES_PER_GROUP
+    half_i = place.inter // 2
+    row0 = pl.program_id(1) * rows
+    load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,))
+
+    for r in range(n_tok):
+        @pl.when(first & hit[r])
+        def _():
+            def compute(tile, step, acc):
+                (dw,), (sc,) = tile
+                ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
+                return acc + _dot_tile(*_unpack(dw), sc, ae, ao)
+
+            acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
+            y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
+            y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
+
+
+# ----- entry point -----------------------------------------------------------------------------------------------
+def _compiler_params(warps: int, stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+@partial(jax.jit, static_argnames=("place", "tiles", "interpret"))
+def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
+    n_tok, k = ids.shape
+    pairs = n_tok * k
+    t = fit_tiles(place, tiles)
+    dt = x.dtype
+    flat = ids.reshape(-1).astype(jnp.int32)
+    act = pl.pallas_call(
+        partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t),
+        out_shape=jax.ShapeDtypeStruct((pairs, place.inter), dt),
+        grid=(pairs, place.inter // t.rows_gu),
+        compiler_params=None if interpret else _compiler_params(t.warps_gu, t.stages),
+        interpret=interpret, name="nvfp4_gate_up",
+    )(flat, x, *operands)
+    y = pl.pallas_call(
+        partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t),
+        out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
+        grid=(pairs, place.hidden // t.rows_down),
+        compiler_params=None if interpret else _compiler_params(t.warps_down, t.stages),
+        interpret=interpret, name="nvfp4_down",
+    )(flat, act, *operands)
+    return y.reshape(n_tok, k, place.hidden)
+
+
+def on_gpu() -> bool:
+    """Whether programs traced now compile for a GPU, where the kernels run compiled (elsewhere the jnp twin is
+    the path; the kernels run there only in interpret mode, for tests)."""
+    return jax.default_backend() == "gpu"
+
+
+def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids: Array, w: Array,
+                   tiles: Tiles = Tiles(), interpret: bool | None = None) -> Array:
+    """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for x [N, H] (bfloat16 or float32), ids/w [N, k]: float32
+    [N, H]. `place`/`operands` from resident_operands or record_operands. interpret: run the kernels in Pallas
+    interpret mode (default: on anything but a GPU)."""
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"the NVFP4 expert kernel takes bfloat16 or float32 inputs, not {x.dtype}")
+    if ids.shape[0] > MAX_TOKENS:
+        raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
+    if interpret is None:
+        interpret = not on_gpu()
+    y = _pairs(x, ids, tuple(operands), place, tiles, interpret)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def kernel_bytes(place: Placement, distinct: int) -> int:
+    """NVFP4 bytes the kernels must read for `distinct` experts (codes, block scales, global scales)."""
+    h, i = place.hidden, place.inter
+    return distinct * (3 * h * i // 2 + 3 * h * i // NVFP4_GROUP + 12)
