@@ -604,11 +604,19 @@ def _stream(out, fnames, shards, total, threads, inflight_bytes, progress) -> No
 # ---------------------------------------------------------------------------------------------------------------
 # Presets and the CLI's entry point
 # ---------------------------------------------------------------------------------------------------------------
-def make_config(preset: str, *, ngram_rows_scale: float = 1.0) -> ModelConfig:
+def make_config(preset: str, *, ngram_rows_scale: float = 1.0, num_layers: int | None = None) -> ModelConfig:
     """The preset's config with eos ids that are special tokens of the synthetic tokenizer (tiny, small), and the
     n-gram table optionally shrunk: `ngram_rows_scale` scales `ngram_vocab_size_base`, so config.json, the table
-    and the three PLE hash buffers stay consistent (the hash then uses the smaller primes)."""
+    and the three PLE hash buffers stay consistent (the hash then uses the smaller primes). num_layers: keep the
+    first decoder layers only (the 3:1 GDN/attention pattern and the PLE layer stay), e.g. to fit a
+    full-width checkpoint on a small disk."""
     c = presets.preset(preset)
+    if num_layers is not None:
+        need = max(c.ple_layer_ids, default=1)
+        if not need <= num_layers <= c.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [{need}, {c.num_hidden_layers}] for preset {preset!r} (the "
+                             f"PLE layer is decoder layer {need}), got {num_layers}")
+        c = c.replace(num_hidden_layers=num_layers, layer_types=c.layer_types[:num_layers])
     if preset != "full":
         c = c.replace(eos_token_id=TOKEN_IDS["<|endoftext|>"],
                       eos_token_ids=(TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]))
@@ -622,8 +630,9 @@ def make_config(preset: str, *, ngram_rows_scale: float = 1.0) -> ModelConfig:
 
 
 def make_model(preset: str, quant: str, seed: int, out: str, *, ngram_rows_scale: float = 1.0,
-               shard_size_gb: float = 4.0, threads: int | None = None, progress: bool | None = None) -> str:
-    c = make_config(preset, ngram_rows_scale=ngram_rows_scale)
+               num_layers: int | None = None, shard_size_gb: float = 4.0, threads: int | None = None,
+               progress: bool | None = None) -> str:
+    c = make_config(preset, ngram_rows_scale=ngram_rows_scale, num_layers=num_layers)
     return write_checkpoint(out, c, quant=quant, seed=seed, shard_bytes=max(1, int(shard_size_gb * (1 << 30))),
                             threads=threads, tokenizer=preset != "full", progress=progress)
 

@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--ngram-rows-scale", type=float, default=1.0,
                    help="shrink the n-gram table by this factor (0 < F <= 1) by scaling ngram_vocab_size_base; "
                         "the full table is 48 GiB in FP8, 96 GiB in BF16")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the first N decoder layers (default: all of the preset's), e.g. so that a full-width "
+                        "checkpoint fits a disk; each full-size layer holds 1.3 GiB of NVFP4 experts")
     p.add_argument("--shard-size", type=float, default=4.0, help="maximum shard size in GiB (default 4)")
     p.add_argument("--threads", type=int, default=None, help="generator threads (default: CPU count, max 16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     if os.path.isdir(a.out) and any(f.endswith(".safetensors") for f in os.listdir(a.out)):
         p.error(f"{a.out} already holds a checkpoint; choose an empty directory")
     try:
-        config = synthetic.make_config(a.preset, ngram_rows_scale=a.ngram_rows_scale)
+        config = synthetic.make_config(a.preset, ngram_rows_scale=a.ngram_rows_scale, num_layers=a.layers)
     except ValueError as e:
         p.error(str(e))
     quant = synthetic.release_quant_config(config) if a.quant == "nvfp4" else None
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
         p.error(f"needs {size / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB are free")
     t = time.time()
     synthetic.make_model(a.preset, a.quant, a.seed, a.out, ngram_rows_scale=a.ngram_rows_scale,
-                         shard_size_gb=a.shard_size, threads=a.threads, progress=False if a.quiet else None)
+                         num_layers=a.layers, shard_size_gb=a.shard_size, threads=a.threads, progress=False if a.quiet else None)
     print(f"done in {time.time() - t:.1f} s", file=sys.stderr)
     return 0
 

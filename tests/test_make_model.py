@@ -197,6 +197,25 @@ def test_full_preset_plan():
     assert small.ngram_head_vocab_sizes() != c.ngram_head_vocab_sizes()  # buffers follow the config
 
 
+def test_fewer_layers(tmp_path):
+    """--layers N keeps the first N decoder layers: the 3:1 pattern and the PLE layer stay, the expert tensors
+    of later layers are gone, and the checkpoint loads; values out of range are refused before writing."""
+    c = synthetic.make_config("full", num_layers=24, ngram_rows_scale=1 / 64)
+    assert c.num_hidden_layers == 24 and c.layer_types == synthetic.make_config("full").layer_types[:24]
+    e = expected_tensors(c, synthetic.release_quant_config(c))
+    assert "layers.23.mlp.experts.511.down_proj.weight" in e and "layers.24.mlp.experts.0.up_proj.weight" not in e
+    out = tmp_path / "four"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_model.py"), "--preset", "tiny", "--quant",
+                    "nvfp4", "--layers", "4", "--out", str(out), "--quiet"], check=True)
+    cfg = Checkpoint.open(str(out)).config
+    assert cfg.num_hidden_layers == 4 and cfg.layer_types[3] == FULL_ATTENTION
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_model.py"), "--preset", "tiny",
+                          "--quant", "nvfp4", "--layers", "1", "--out", str(tmp_path / "bad")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "num_layers must be in [2, 8]" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_synthetic_source_in_memory(made):
     """The in-memory source (full-size benchmarks) has every tensor of the NVFP4 layout, its dense tensors equal
     the written checkpoint's, and the model it builds runs."""
