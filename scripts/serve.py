@@ -91,7 +91,14 @@ def main(argv=None) -> int:
                      max_waiting=args.max_waiting, body_timeout=args.body_timeout, on_load_error=stop)
     server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
                                            log_level=args.log_level))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C or SIGINT: uvicorn has shut down and re-raises it; no traceback
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if app.state.jaxflash.worker is None:  # still loading or compiling: those threads would hold the exit
+            os._exit(130)
+        return 130
     return 1 if failed or not server.started else 0
 
 

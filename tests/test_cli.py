@@ -58,6 +58,39 @@ def test_the_server_exits_when_the_model_cannot_be_planned():
     assert "error: PlanError" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("when", ["loading", "ready"])
+def test_ctrl_c_stops_the_server_quietly(when, tmp_path):
+    """SIGINT while the model loads and compiles, or once it serves: the server is gone within seconds (it does
+    not wait for the compilation to end), with status 130 and no traceback."""
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(tmp_path / "xla"))
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--port", str(port),
+                          "--max-batch", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    want = 200 if when == "ready" else 503
+    deadline = time.time() + 600
+    code = 0
+    while code != want and time.time() < deadline and p.poll() is None:
+        try:
+            code = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status
+        except urllib.error.HTTPError as e:
+            code = e.code
+        except OSError:
+            code = 0
+        time.sleep(0.1)
+    assert code == want, (code, p.poll())
+    t = time.time()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert time.time() - t < 30
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+
+
 def test_a_second_start_reads_the_compilation_cache(tmp_path):
     cache = tmp_path / "xla"
     r = run("generate.py", "--prompt", "And God said", "-n", "3", "--ignore-eos", cache=cache)
