@@ -161,26 +161,22 @@ def nvfp4_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("residency", ["device", "host"])
 def test_engine_decode_with_kernels_equals_jnp(nvfp4_dir, residency, monkeypatch):
-    """Generation through the kernels (interpret mode on the CPU) equals the jnp path, token for token, and the
-    decode steps' logits agree to float32 noise (1e-5 of the largest logit on the CPU)."""
+    """Decoding through the kernels (interpret mode on the CPU) gives the jnp path's tokens, and every decode
+    step's logits agree to float32 noise (1e-5 of the largest logit on the CPU)."""
     traced = []
     real = K.routed_experts
     monkeypatch.setattr(K, "routed_experts", lambda *a, **k: traced.append(a[3].shape) or real(*a, **k))
-    kw = dict(expert_residency=residency, max_batch=2, max_seq_len=64, prefill_chunk=16, progress=False)
+    kw = dict(expert_residency=residency, max_batch=1, max_seq_len=64, prefill_chunk=16, progress=False)
     if residency == "host":
         kw["cache_slots"] = 8
     on = jaxflash.load(nvfp4_dir, expert_kernel=True, **kw)
     off = jaxflash.load(nvfp4_dir, expert_kernel=False, **kw)
     cfg = on.config
-    rng = np.random.default_rng(4)
-    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (9, 4)]
-    gen = dict(max_new_tokens=8, ignore_eos=True)
-    got = on.generate(prompts, **gen)
-    layers = on.config.num_hidden_layers
-    assert len(traced) >= layers and {s[0] for s in traced} <= {1, 2}  # every decode layer, no prefill chunk
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 9)]
+    toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
+    assert len(traced) >= cfg.num_hidden_layers and {s[0] for s in traced} == {1}  # decode layers only
     n = len(traced)
-    assert off.generate(prompts, **gen) == got
+    toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
     assert len(traced) == n  # the jnp engine never calls the kernels
-    _, a, _ = on.scheduler.step_logits(prompts[0], 6)
-    _, b, _ = off.scheduler.step_logits(prompts[0], 6)
-    assert rel_err(a, b) < (TOL if K.on_gpu() else 1e-5)
+    assert toks_on == toks_off
+    assert rel_err(logits_on, logits_off) < (TOL if K.on_gpu() else 1e-5)
