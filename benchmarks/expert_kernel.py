@@ -142,6 +142,18 @@ def kernel_time_us(trace_dir: str, match) -> tuple[float, int]:
     return sum(float(e.get("dur", 0)) for e in ev), len(ev)
 
 
+def graph_ids(trace_dir: str, match) -> dict:
+    """How many of the matching kernels carry a CUDA graph id in the trace (an arg whose name mentions
+    'graph'), and the arg names seen: whether the kernels ran inside the program's command buffer."""
+    from trace_parts import gpu_kernels
+
+    ev = [e for e in gpu_kernels(trace_dir) if match(e.get("name", ""))]
+    keys = sorted({k for e in ev for k in (e.get("args") or {})})
+    graphed = sum(1 for e in ev if any("graph" in k.lower() and str(v) not in ("", "0")
+                                       for k, v in (e.get("args") or {}).items()))
+    return {"kernels": len(ev), "with_graph_id": graphed, "arg_names": keys}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full", choices=["full", "tiny"])
@@ -266,6 +278,7 @@ def main(argv=None) -> int:
             us, cnt = kernel_time_us(tdir, match)
             allk, allc = kernel_time_us(tdir, lambda n: True)
             if impl == "kernel":
+                out["graph"] = graph_ids(tdir, match)
                 out["gate_up_us"] = kernel_time_us(tdir, lambda n: "gate_up" in n)[0] / 3 / L
                 out["down_us"] = kernel_time_us(tdir, lambda n: "nvfp4_down" in n)[0] / 3 / L
             out.update(kernels_us=us / 3 / L, kernels_per_layer=cnt / 3 / L, all_kernels_us=allk / 3 / L,
@@ -354,6 +367,11 @@ def main(argv=None) -> int:
         log(f"{r['case']:8} {r['impl']:6} {r['distinct']:8.1f} {r['bytes'] / 1e6:6.1f} {r['floor_us']:8.2f} "
             f"{r.get('kernels_us', float('nan')):8.2f} {r['wall_us']:8.2f} {r['gbps']:6.0f} {r['frac'] * 100:5.0f}% "
             f"{r.get('all_kernels_per_layer', float('nan')):7.1f}")
+    for r in table:
+        if "graph" in r:
+            g = r["graph"]
+            log(f"{r['case']}: {g['with_graph_id']} of {g['kernels']} expert kernels carry a CUDA graph id "
+                f"(trace args: {', '.join(g['arg_names'])})")
     log(f"per layer; x48 layers for a decode step. Results: {out_dir}/expert_kernel.json")
     return 0
 
