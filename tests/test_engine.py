@@ -122,6 +122,7 @@ def test_compile_count_constant_over_long_generation(ref, engine):
     rng = np.random.default_rng(4)
     p = prompt(rng, 20, ref[0].vocab_size, ref[0].eos_token_id)
     engine.warm_up()
+    assert engine.scheduler.runner.allocated  # the state too: the first request does not wait for it
     before = engine.scheduler.compile_counts()
     assert set(before) >= {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
         f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}

@@ -358,6 +358,16 @@ class Runner:
         """A fresh state: every slot free, the expert caches empty (also after a failure lost the donated one)."""
         self._state = jax.tree.leaves(init_state(self.params, self.setup))
 
+    def allocate(self) -> None:
+        """Allocate the state now if there is none (warm-up: the first request then does not wait for it)."""
+        if self._state is None:
+            self.reset()
+            jax.block_until_ready(self._state)
+
+    @property
+    def allocated(self) -> bool:
+        return self._state is not None
+
     def free(self) -> None:
         """Drop the state (its device memory returns to the allocator); the next call starts a fresh one."""
         self._state = None
