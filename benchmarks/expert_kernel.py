@@ -134,20 +134,16 @@ def routing_ids(case: str, rows: int, layers: int, e: int, k: int, routing: str,
     return np.transpose(ids[:, -1], (1, 0, 2)).astype(np.int32)
 
 
-def kernel_time_us(trace_dir: str, match) -> tuple[float, int]:
-    """Summed duration (us) and count of the GPU kernels whose name satisfies `match`, in the newest trace."""
-    from trace_parts import gpu_kernels
-
-    ev = [e for e in gpu_kernels(trace_dir) if match(e.get("name", ""))]
+def kernel_time_us(events: list[dict], match) -> tuple[float, int]:
+    """Summed duration (us) and count of the GPU kernel events whose name satisfies `match`."""
+    ev = [e for e in events if match(e.get("name", ""))]
     return sum(float(e.get("dur", 0)) for e in ev), len(ev)
 
 
-def graph_ids(trace_dir: str, match) -> dict:
+def graph_ids(events: list[dict], match) -> dict:
     """How many of the matching kernels carry a CUDA graph id in the trace (an arg whose name mentions
     'graph'), and the arg names seen: whether the kernels ran inside the program's command buffer."""
-    from trace_parts import gpu_kernels
-
-    ev = [e for e in gpu_kernels(trace_dir) if match(e.get("name", ""))]
+    ev = [e for e in events if match(e.get("name", ""))]
     keys = sorted({k for e in ev for k in (e.get("args") or {})})
     graphed = sum(1 for e in ev if any("graph" in k.lower() and str(v) not in ("", "0")
                                        for k, v in (e.get("args") or {}).items()))
@@ -274,13 +270,16 @@ def main(argv=None) -> int:
             with jax.profiler.trace(tdir, create_perfetto_trace=True):
                 for _ in range(3):
                     fn(arg0, x, ids, w).block_until_ready()
+            from trace_parts import gpu_kernels
+
+            events = gpu_kernels(tdir)  # read and parse the trace once for every figure below
             match = (lambda n: "nvfp4" in n) if impl == "kernel" else (lambda n: True)
-            us, cnt = kernel_time_us(tdir, match)
-            allk, allc = kernel_time_us(tdir, lambda n: True)
+            us, cnt = kernel_time_us(events, match)
+            allk, allc = kernel_time_us(events, lambda n: True)
             if impl == "kernel":
-                out["graph"] = graph_ids(tdir, match)
-                out["gate_up_us"] = kernel_time_us(tdir, lambda n: "gate_up" in n)[0] / 3 / L
-                out["down_us"] = kernel_time_us(tdir, lambda n: "nvfp4_down" in n)[0] / 3 / L
+                out["graph"] = graph_ids(events, match)
+                out["gate_up_us"] = kernel_time_us(events, lambda n: "gate_up" in n)[0] / 3 / L
+                out["down_us"] = kernel_time_us(events, lambda n: "nvfp4_down" in n)[0] / 3 / L
             out.update(kernels_us=us / 3 / L, kernels_per_layer=cnt / 3 / L, all_kernels_us=allk / 3 / L,
                        all_kernels_per_layer=allc / 3 / L)
         return out

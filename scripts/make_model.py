@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         p.error(f"needs {size / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB are free")
     t = time.time()
     synthetic.make_model(a.preset, a.quant, a.seed, a.out, ngram_rows_scale=a.ngram_rows_scale,
-                         num_layers=a.layers, shard_size_gb=a.shard_size, threads=a.threads, progress=False if a.quiet else None)
+                         num_layers=a.layers, shard_size_gb=a.shard_size, threads=a.threads,
+                         progress=False if a.quiet else None)
     print(f"done in {time.time() - t:.1f} s", file=sys.stderr)
     return 0
 

@@ -11,6 +11,7 @@ padding never changes the logits of real tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -165,9 +166,12 @@ class Engine:
                 self.ngram = (table, self.checkpoint.read_ngram_table().scale)
             table, scale = self.ngram
             hash_ = ffi.NgramHash.from_config(cfg)
+        host = self.host_experts
+        if host is not None and self.expert_kernel is not None:
+            host = dataclasses.replace(host, kernel=self.expert_kernel)
         return runner_mod.Setup(cfg, plan.max_batch, plan.num_pages, plan.page_size,
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
-                                self.host_experts, table, hash_,
+                                host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
                                 self.expert_kernel)
 

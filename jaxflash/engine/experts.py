@@ -37,8 +37,7 @@ class HostExperts:
     def use_kernel(self, x) -> bool:
         if self.kernel is not None:
             return self.kernel
-        return (self.layout.kind == "nvfp4" and nvfp4_experts.on_gpu()
-                and x.dtype in (jnp.bfloat16, jnp.float32) and x.shape[0] <= nvfp4_experts.MAX_TOKENS)
+        return self.layout.kind == "nvfp4" and nvfp4_experts.takes(x)
 
     @property
     def num_experts(self) -> int:

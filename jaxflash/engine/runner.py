@@ -83,7 +83,8 @@ class Setup:
     table_scale: float | None = None  # the FP8 table's global scale
     mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
-    expert_kernel: bool | None = None  # decode's routed experts by the NVFP4 kernels (None: where they apply)
+    expert_kernel: bool | None = None  # decode's resident experts by the NVFP4 kernels (None: where they apply;
+    # host residency: host.kernel says the same for the cache slots)
 
 
 class RoutingSource:
@@ -111,9 +112,7 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
                     page_table=jnp.full((b, setup.max_pages), setup.num_pages, jnp.int32), ple_context=ctx)
     experts = staging = None
     if setup.host is not None:
-        host = setup.host if setup.expert_kernel is None else dataclasses.replace(setup.host,
-                                                                                   kernel=setup.expert_kernel)
-        experts = CachedExperts.empty(host, cfg.num_hidden_layers)
+        experts = CachedExperts.empty(setup.host, cfg.num_hidden_layers)
         staging = StagedExperts.empty(setup.host)
     mtp = None
     if setup.mtp:

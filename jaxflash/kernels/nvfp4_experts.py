@@ -41,6 +41,7 @@ NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
 _BYTES_PER_GROUP = NVFP4_GROUP // 2  # one FP8 scale per 8 packed bytes (16 codes)
 _TWO14 = float(2**14)
 MAX_TOKENS = 16  # the kernels unroll a branch per token: decode batches and verify rows, not prefill chunks
+DTYPES = (jnp.bfloat16, jnp.float32)  # token dtypes the kernels take
 
 
 # ----- where the weights are -----------------------------------------------------------------------------------
@@ -349,12 +350,18 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def takes(x: Array) -> bool:
+    """Whether the engine's "auto" choice sends these tokens [N, H] to the kernels: compiling for a GPU, a
+    supported dtype, decode-sized."""
+    return on_gpu() and x.dtype in DTYPES and x.shape[0] <= MAX_TOKENS
+
+
 def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids: Array, w: Array,
                    tiles: Tiles = Tiles(), interpret: bool | None = None) -> Array:
     """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for x [N, H] (bfloat16 or float32), ids/w [N, k]: float32
     [N, H]. `place`/`operands` from resident_operands or record_operands. interpret: run the kernels in Pallas
     interpret mode (default: on anything but a GPU)."""
-    if x.dtype not in (jnp.bfloat16, jnp.float32):
+    if x.dtype not in DTYPES:
         raise TypeError(f"the NVFP4 expert kernel takes bfloat16 or float32 inputs, not {x.dtype}")
     if ids.shape[0] > MAX_TOKENS:
         raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")

@@ -215,8 +215,8 @@ def experts_kernel(e: Experts, x: Array, idx: Array, w: Array) -> Array:
 
 def kernel_applies(e: Experts, x: Array, idx: Array) -> bool:
     """Whether "auto" takes the kernel: NVFP4 experts, bf16/f32 tokens, decode-sized, compiling for a GPU."""
-    return (nvfp4_experts.on_gpu() and nvfp4_experts.is_nvfp4(e.gate) and x.dtype in (jnp.bfloat16, jnp.float32)
-            and idx.shape[0] <= nvfp4_experts.MAX_TOKENS and idx.size <= jax.tree.leaves(e.gate)[0].shape[0])
+    return (nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x)
+            and idx.size <= jax.tree.leaves(e.gate)[0].shape[0])
 
 
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel}
