@@ -159,7 +159,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="b1,b4,b8,verify4")
     ap.add_argument("--sweep", default="default",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
-                         "rows_down:chunk_down:warps_down[:unroll];... ")
+                         "rows_down:chunk_down:warps_down[:unroll[:math]];... (math: f32, f16x2, auto)")
+    ap.add_argument("--sweep-budget", type=float, default=300,
+                    help="seconds for the sweep: configurations left when it is spent are skipped (and listed)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -221,15 +223,25 @@ def main(argv=None) -> int:
         ex = layers[0]
         twin = jax.jit(experts_gather)(ex, x, ids, w)
         place, ops = K.resident_operands(ex)
-        kern = jax.jit(lambda ops, x, ids, w: K.routed_experts(place, ops, x, ids, w))(ops, x, ids, w)
         rec = as_records(layout, ex)
         rplace, rops = K.record_operands(layout, rec)
-        kern_rec = jax.jit(lambda ops, x, ids, w: K.routed_experts(rplace, ops, x, ids, w))(rops, x, ids, w)
         ref = f64_reference(ex, x, np.asarray(ids), w) if n_tok <= 3 else None
-        r = {"kernel_vs_twin": rel_err(kern, twin), "records_vs_resident": rel_err(kern_rec, kern),
-             "finite": bool(np.isfinite(np.asarray(kern)).all())}
+        r = {}
+        for math in ("f32", "f16x2"):  # the kernels' two product paths (bfloat16 tokens take f16x2 by default)
+            t = K.Tiles(math=math)
+            try:
+                kern = jax.jit(lambda ops, x, ids, w: K.routed_experts(place, ops, x, ids, w, t))(ops, x, ids, w)
+                kern_rec = jax.jit(lambda ops, x, ids, w: K.routed_experts(rplace, ops, x, ids, w, t))(
+                    rops, x, ids, w)
+            except Exception as exc:  # reported, and the run goes on (the sweep reports it per configuration)
+                r[f"{math}_error"] = "".join(traceback.format_exception_only(type(exc), exc))[-600:]
+                continue
+            r.update({f"{math}_vs_twin": rel_err(kern, twin), f"{math}_records_vs_resident": rel_err(kern_rec, kern),
+                      f"{math}_finite": bool(np.isfinite(np.asarray(kern)).all())})
+            if ref is not None:
+                r[f"{math}_vs_f64"] = rel_err(kern, ref)
         if ref is not None:
-            r.update(kernel_vs_f64=rel_err(kern, ref), twin_vs_f64=rel_err(twin, ref))
+            r["twin_vs_f64"] = rel_err(twin, ref)
         num[f"n{n_tok}"] = r
         log(f"numerics, {n_tok} tokens: " + ", ".join(f"{a} {b:.2e}" if isinstance(b, float) else f"{a} {b}"
                                                      for a, b in r.items()))
@@ -306,20 +318,28 @@ def main(argv=None) -> int:
     sweep = []
     if args.sweep == "default":
         # rows_gu, chunk_gu, warps_gu, rows_down, chunk_down, warps_down, unroll
-        grid = [(8, 256, 2, 16, 64, 2, 0), (8, 256, 2, 16, 64, 2, 8), (4, 256, 1, 8, 64, 1, 8),
-                (8, 256, 1, 16, 64, 1, 8), (16, 256, 2, 32, 64, 2, 8), (8, 256, 4, 16, 64, 4, 8),
-                (16, 256, 4, 32, 64, 4, 8), (4, 256, 2, 8, 64, 2, 8), (8, 128, 2, 16, 32, 2, 16),
-                (16, 128, 4, 32, 32, 4, 16), (32, 256, 4, 64, 64, 4, 8)]
+        # (unrolled walks were slower and compile slowly: benchmarks/RESULTS.md)
+        grid = [(8, 256, 2, 16, 64, 2, 0, "f32"), (8, 256, 2, 16, 64, 2, 0, "f16x2"),
+                (8, 256, 4, 16, 64, 4, 0, "f16x2"), (16, 256, 4, 32, 64, 4, 0, "f16x2"),
+                (4, 256, 1, 8, 64, 1, 0, "f16x2"), (16, 256, 2, 16, 64, 2, 0, "f16x2"),
+                (8, 128, 2, 16, 32, 2, 0, "f16x2"), (32, 256, 8, 64, 64, 8, 0, "f16x2"),
+                (4, 256, 2, 8, 64, 2, 0, "f16x2")]
     elif args.sweep == "none":
         d = K.Tiles()
-        grid = [(d.rows_gu, d.chunk_gu, d.warps_gu, d.rows_down, d.chunk_down, d.warps_down, d.unroll)]
+        grid = [(d.rows_gu, d.chunk_gu, d.warps_gu, d.rows_down, d.chunk_down, d.warps_down, d.unroll, d.math)]
     else:
-        grid = [tuple(int(v) for v in s.split(":")) for s in args.sweep.split(";")]
+        grid = [tuple(int(v) if v.isdigit() else v for v in s.split(":")) for s in args.sweep.split(";")]
     sweep_cases = [c for c in ("b1", "b8") if c in cases] or list(cases)[:1]
     best = {}
+    t_sweep = time.perf_counter()
     for g in grid:
         tiles = K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4],
-                        warps_down=g[5], unroll=g[6] if len(g) > 6 else K.Tiles().unroll)
+                        warps_down=g[5], unroll=g[6] if len(g) > 6 else K.Tiles().unroll,
+                        math=g[7] if len(g) > 7 else K.Tiles().math)
+        if time.perf_counter() - t_sweep > args.sweep_budget:
+            log(f"sweep {g}: skipped (the {args.sweep_budget:.0f} s sweep budget is spent)")
+            sweep.append({"skipped": True, "tiles": dataclasses.asdict(tiles)})
+            continue
         for c in sweep_cases:
             rows, ids_np = cases[c]
             try:

@@ -16,9 +16,18 @@ Why this shape:
   * One program per (pair, block of output rows). A program whose expert already appeared at an earlier pair of
     the step does nothing; the first one computes the rows of every token that chose that expert, so an expert
     shared by several tokens of a batch (or by the K+1 rows of a speculative verify) is read once.
-  * E2M1 is unpacked with integer bit operations (Hopper has no FP4 conversion): a code's three magnitude bits
-    and its sign are placed into a float16 bit pattern, which is the E2M1 value times 2^-14, exactly, including
-    the 0.5 that float16 holds as a subnormal; the 2^14 is folded into the FP8 block scale.
+  * E2M1 is unpacked with integer bit operations (Hopper has no FP4 conversion). Two product paths:
+      - float16x2 (the default for bfloat16 tokens): the nibbles are placed into E4M3 bit patterns, which the
+        hardware's E4M3x2 -> f16x2 conversion turns into halves (the value times 2^-6, exactly); the products
+        lo * x[2c] + hi * x[2c+1] of a byte run in f16x2 arithmetic (inline PTX, 4 bytes at a time), summed in
+        float32 per scale group. Each chunk of inputs is scaled by a power of two into [-1, 1] first, so
+        float16 cannot overflow; the products are rounded to float16 (2^-11, below the bfloat16 inputs' own
+        2^-9). About 4 instructions per byte where the float32 path spends about 12: 1.3-1.6x faster on the
+        H200 (RESULTS.md).
+      - float32 (float32 tokens, or Tiles(math="f32")): a code's magnitude bits and sign are placed into a
+        float16 bit pattern (the value times 2^-14, exactly, the 0.5 included as a subnormal), converted to
+        float32, multiplied and summed in float32.
+    The 2^-6 or 2^-14 is folded into the FP8 block scale.
   * The sum over the top-k is left to XLA (one small fusion with the shared expert's add): a per-pair output
     keeps the result deterministic, where an in-kernel atomic sum would not be.
 
@@ -28,6 +37,7 @@ conversion on Hopper, but the integer unpacking here needs none) or Triton throu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -113,16 +123,18 @@ def record_operands(layout, slots: Array) -> tuple[Placement, tuple[Array, ...]]
 class Tiles:
     """Per-program work: `rows_gu` gate/up output rows and `rows_down` down output rows; the inputs are walked
     `chunk_gu` / `chunk_down` packed bytes at a time (powers of two dividing H/2 and I/2, multiples of 8).
-    The defaults are the fastest of a sweep at batch 1 on the H200 (benchmarks/expert_kernel.py)."""
+    The defaults come from a sweep on the H200 (benchmarks/expert_kernel.py, RESULTS.md): within 3% of the
+    fastest at batch 1, and the fastest at batch 8."""
 
-    rows_gu: int = 8
-    rows_down: int = 16
+    rows_gu: int = 32
+    rows_down: int = 8
     chunk_gu: int = 256
     chunk_down: int = 64
-    warps_gu: int = 2
-    warps_down: int = 2
+    warps_gu: int = 8
+    warps_down: int = 1
     stages: int = 2
     unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
+    math: str = "auto"  # "f32", "f16x2" (see _f16x2_products), "auto": f16x2 for bfloat16 tokens
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -138,7 +150,18 @@ def fit_tiles(place: Placement, t: Tiles) -> Tiles:
     return Tiles(rows_gu=_pow2_divisor(i, t.rows_gu), rows_down=_pow2_divisor(h, t.rows_down),
                  chunk_gu=max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu)),
                  chunk_down=max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down)),
-                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll)
+                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math)
+
+
+MATHS = ("auto", "f32", "f16x2")
+
+
+def resolve_math(t: Tiles, dtype) -> str:
+    if t.math not in MATHS:
+        raise ValueError(f"Tiles.math must be one of {MATHS}, got {t.math!r}")
+    if t.math == "auto":
+        return "f16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
+    return t.math
 
 
 # ----- in-kernel pieces ------------------------------------------------------------------------------------------
@@ -227,6 +250,75 @@ def _inputs(ref, row, col0, groups: int):
     return ref[row, 2 * c].astype(jnp.float32), ref[row, 2 * c + 1].astype(jnp.float32)
 
 
+# Per byte of codes, lo * xe + hi * xo in float16x2 arithmetic, 4 bytes per instance: the nibbles are placed into
+# E4M3 bit patterns (magnitude bits to bits 2..4, sign to bit 7: the E2M1 value times 2^-6, exactly), which
+# Hopper's E4M3x2 -> f16x2 conversion turns into two halves; one multiply and one fused multiply-add per two
+# bytes follow. About 4 instructions per byte, where the float32 path spends about 12.
+_F16X2_PTX = """{
+.reg .b32 lo, hi, t, f, p, q;
+.reg .b16 lo0, lo1, hi0, hi1;
+and.b32 lo, $2, 0x07070707;
+shl.b32 lo, lo, 2;
+and.b32 t, $2, 0x08080808;
+shl.b32 t, t, 4;
+or.b32 lo, lo, t;
+shr.b32 hi, $2, 2;
+and.b32 hi, hi, 0x1C1C1C1C;
+and.b32 t, $2, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {lo0, lo1}, lo;
+mov.b32 {hi0, hi1}, hi;
+cvt.rn.f16x2.e4m3x2 f, lo0;
+mul.rn.f16x2 p, f, $3;
+cvt.rn.f16x2.e4m3x2 f, hi0;
+fma.rn.f16x2 p, f, $5, p;
+cvt.rn.f16x2.e4m3x2 f, lo1;
+mul.rn.f16x2 q, f, $4;
+cvt.rn.f16x2.e4m3x2 f, hi1;
+fma.rn.f16x2 q, f, $6, q;
+mov.b32 $0, p;
+mov.b32 $1, q;
+}"""
+_TWO6 = float(2**6)  # the E4M3 placement's factor, folded into the block scale like _TWO14
+
+
+def _f16x2_products(codes, xe, xo, interpret: bool):
+    """float16 [same shape as codes]: lo * xe + hi * xo per byte, lo/hi its E2M1 values times 2^-6; xe/xo
+    float16 of the same shape. Interpret mode emulates the instruction sequence (same roundings, up to a rare
+    double rounding in the fused multiply-add)."""
+    if interpret:
+        lo, hi = _unpack(codes)  # the values times 2^-14: times 2^8 gives the E4M3 placement's 2^-6, exactly
+        lo, hi = lo * 256.0, hi * 256.0
+        t = (lo * xe.astype(jnp.float32)).astype(jnp.float16).astype(jnp.float32)
+        return (hi * xo.astype(jnp.float32) + t).astype(jnp.float16)
+    from jax.experimental.pallas import triton as plgpu
+
+    [p] = plgpu.elementwise_inline_asm(_F16X2_PTX, args=[codes, xe, xo], constraints="=r,=r,r,r,r,r,r", pack=4,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])
+    return p
+
+
+def _pow2_above(m):
+    """(s, 1/s) for the least power of two s >= m (m >= 0 float32 scalar; 2^-126 for a subnormal m; s = 0 and
+    1/s = 2^127 for m = 0), exact: from the bits, since a reciprocal or log2 on the GPU is approximate."""
+    bits = jax.lax.bitcast_convert_type(m, jnp.int32)
+    s_bits = (bits + 0x007FFFFF) & 0x7F800000
+    return (jax.lax.bitcast_convert_type(s_bits, jnp.float32),
+            jax.lax.bitcast_convert_type(0x7F000000 - s_bits, jnp.float32))
+
+
+def _dot_tile_f16x2(codes, sc, xe, xo, interpret: bool):
+    """_dot_tile in float16x2 arithmetic: the chunk's inputs scaled by a power of two into [-1, 1] (so that
+    float16 cannot overflow, whatever the bfloat16 tokens hold), the per-byte products summed in float32 per
+    group and scaled back with the block scale."""
+    s, inv = _pow2_above(jnp.maximum(jnp.max(jnp.abs(xe)), jnp.max(jnp.abs(xo))))
+    shape = codes.shape
+    xe16 = jnp.broadcast_to((xe * inv).astype(jnp.float16)[None], shape)
+    xo16 = jnp.broadcast_to((xo * inv).astype(jnp.float16)[None], shape)
+    p = _f16x2_products(codes, xe16, xo16, interpret)
+    return jnp.sum(p.astype(jnp.float32), axis=-1) * (sc * (s * (_TWO6 / _TWO14)))
+
+
 def _dot_tile(lo, hi, sc, xe, xo):
     """sum over each group of (lo * xe + hi * xo), times the group's scale: [rows, groups]."""
     return jnp.sum(lo * xe[None] + hi * xo[None], axis=-1) * sc
@@ -262,7 +354,14 @@ def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Pa
 # Grid (pair, block of output rows). Only the first pair of each distinct expert works; it runs once per token
 # that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat reads the
 # expert's few KB per program again from L1/L2, not from HBM).
-def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles):
+def _products(t: Tiles, interpret: bool):
+    """dot(codes, scales, xe, xo) -> [rows, groups] float32 for the tile's arithmetic (t.math resolved)."""
+    if t.math == "f16x2":
+        return lambda codes, sc, xe, xo: _dot_tile_f16x2(codes, sc, xe, xo, interpret)
+    return lambda codes, sc, xe, xo: _dot_tile(*_unpack(codes), sc, xe, xo)
+
+
+def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
     *w, act_ref = refs
     e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
     rows, chunk = t.rows_gu, t.chunk_gu
@@ -272,6 +371,7 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
     dt = act_ref.dtype
     load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
                         (place.gate_scale, place.up_scale))
+    dot = _products(t, interpret)
 
     for r in range(n_tok):
         @pl.when(first & hit[r])
@@ -279,8 +379,7 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
             def compute(tile, step, acc):
                 (gw, uw), (g_sc, u_sc) = tile
                 xe, xo = _inputs(x_ref, _i32(r), step * chunk, groups)
-                return (acc[0] + _dot_tile(*_unpack(gw), g_sc, xe, xo),
-                        acc[1] + _dot_tile(*_unpack(uw), u_sc, xe, xo))
+                return acc[0] + dot(gw, g_sc, xe, xo), acc[1] + dot(uw, u_sc, xe, xo)
 
             zero = jnp.zeros((rows, groups), jnp.float32)
             acc = _walk(half_h // chunk, t.unroll, load, compute, (zero, zero))
@@ -291,7 +390,7 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
             act_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = a
 
 
-def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles):
+def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
     *w, y_ref = refs
     e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
     rows, chunk = t.rows_down, t.chunk_down
@@ -299,6 +398,7 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
     half_i = place.inter // 2
     row0 = pl.program_id(1) * rows
     load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,))
+    dot = _products(t, interpret)
 
     for r in range(n_tok):
         @pl.when(first & hit[r])
@@ -306,7 +406,7 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
             def compute(tile, step, acc):
                 (dw,), (sc,) = tile
                 ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
-                return acc + _dot_tile(*_unpack(dw), sc, ae, ao)
+                return acc + dot(dw, sc, ae, ao)
 
             acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
             y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
@@ -326,16 +426,17 @@ def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
     pairs = n_tok * k
     t = fit_tiles(place, tiles)
     dt = x.dtype
+    t = dataclasses.replace(t, math=resolve_math(t, dt))
     flat = ids.reshape(-1).astype(jnp.int32)
     act = pl.pallas_call(
-        partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t),
+        partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((pairs, place.inter), dt),
         grid=(pairs, place.inter // t.rows_gu),
         compiler_params=None if interpret else _compiler_params(t.warps_gu, t.stages),
         interpret=interpret, name="nvfp4_gate_up",
     )(flat, x, *operands)
     y = pl.pallas_call(
-        partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t),
+        partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
         grid=(pairs, place.hidden // t.rows_down),
         compiler_params=None if interpret else _compiler_params(t.warps_down, t.stages),
