@@ -118,20 +118,24 @@ class Server:
             return [ln.rstrip() for ln in f if re.search(pattern, ln)]
 
 
-def stream_one(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One greedy streamed chat completion: TTFT, tokens, decode tok/s (after the first token)."""
+def stream_one(client, model: str, prompt: str, max_tokens: int, logprobs: bool = False) -> dict:
+    """One greedy streamed chat completion: TTFT, tokens, decode tok/s (after the first token). A token is seen
+    when a chunk carries its text, or (logprobs) its logprob: tokens without text send no chunk otherwise."""
     t0 = time.perf_counter()
     first = last = None
     pieces = 0
     usage = None
+    extra = {"logprobs": True} if logprobs else {}
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
-        stream=True, stream_options={"include_usage": True})
+        stream=True, stream_options={"include_usage": True}, **extra)
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
-        delta = chunk.choices[0].delta if chunk.choices else None
-        if delta is not None and ((delta.content or "") + (getattr(delta, "reasoning_content", None) or "")):
+        choice = chunk.choices[0] if chunk.choices else None
+        delta = choice.delta if choice is not None else None
+        seen = delta is not None and ((delta.content or "") + (getattr(delta, "reasoning_content", None) or ""))
+        if seen or (choice is not None and choice.logprobs is not None):
             now = time.perf_counter()
             first = first or now
             last = now
@@ -145,11 +149,11 @@ def stream_one(client, model: str, prompt: str, max_tokens: int) -> dict:
     return out
 
 
-def concurrent(client, model: str, prompts: list[str], max_tokens: int) -> dict:
+def concurrent(client, model: str, prompts: list[str], max_tokens: int, logprobs: bool = False) -> dict:
     results: list[dict | None] = [None] * len(prompts)
 
     def run(i):
-        results[i] = stream_one(client, model, prompts[i], max_tokens)
+        results[i] = stream_one(client, model, prompts[i], max_tokens, logprobs)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -166,6 +170,10 @@ def concurrent(client, model: str, prompts: list[str], max_tokens: int) -> dict:
             "per_stream_tok_s_median": statistics.median(rates) if rates else None,
             "ttft_s_median": statistics.median(r["ttft_s"] for r in done) if done else None,
             "ttft_s_max": max((r["ttft_s"] for r in done), default=None), "each": done}
+
+
+def fmt(v, digits: int = 1) -> str:
+    return "n/a (no token was seen on its own: try --logprobs)" if v is None else f"{v:.{digits}f}"
 
 
 def dir_bytes(path: str | None) -> int | None:
@@ -185,6 +193,10 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompt", type=int, default=3000, help="approximate tokens of the long prompt")
     ap.add_argument("--ready-timeout", type=float, default=1800)
     ap.add_argument("--compile-cache", default=None, help="default: a fresh directory (first start compiles)")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="ask for logprobs, so that every token arrives in its own chunk (a random-weight model's "
+                         "tokens mostly have no text, and send none otherwise); the server then runs its "
+                         "logprobs programs")
     ap.add_argument("--out", default=None)
     ap.add_argument("serve_args", nargs="*", help="more arguments for scripts/serve.py (after --)")
     args = ap.parse_args(argv)
@@ -200,7 +212,7 @@ def main(argv=None) -> int:
     args.compile_cache = args.compile_cache or tempfile.mkdtemp(prefix="jaxflash_cc_")
     base = f"http://127.0.0.1:{args.port}"
     res = {"model": args.model or "bundled", "checkpoint_bytes": dir_bytes(args.model), "vram_budget": args.vram_budget,
-           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "starts": []}
+           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "logprobs": args.logprobs, "starts": []}
     for n in range(args.starts):
         srv = Server(args, os.path.join(out_dir, f"server{n + 1}.log"))
         start = {}
@@ -212,17 +224,18 @@ def main(argv=None) -> int:
                 client = openai.OpenAI(base_url=base + "/v1", api_key="any", max_retries=0, timeout=3600)
                 model = client.models.list().data[0].id
                 before = metrics(base)
-                one = stream_one(client, model, "Tell me about the beginning of the world.", args.max_tokens)
+                one = stream_one(client, model, "Tell me about the beginning of the world.", args.max_tokens,
+                                 args.logprobs)
                 log(f"1 stream: TTFT {one['ttft_s']:.3f} s, {one['tokens']} tokens, "
-                    f"{one.get('tok_s', float('nan')):.1f} tok/s")
+                    f"{fmt(one.get('tok_s'))} tok/s")
                 prompts = [f"Question {i}: what happened on day {i + 1} of creation?" for i in range(args.concurrency)]
-                many = concurrent(client, model, prompts, args.max_tokens)
+                many = concurrent(client, model, prompts, args.max_tokens, args.logprobs)
                 log(f"{args.concurrency} streams: aggregate {many['aggregate_tok_s']:.1f} tok/s, per stream "
-                    f"{many['per_stream_tok_s_median'] or float('nan'):.1f} tok/s (median), TTFT median "
+                    f"{fmt(many['per_stream_tok_s_median'])} tok/s (median), TTFT median "
                     f"{many['ttft_s_median']:.3f} s, max {many['ttft_s_max']:.3f} s")
                 words = TEXT.split()
                 long_text = " ".join(words[i % len(words)] for i in range(int(args.long_prompt * 0.8)))
-                long = stream_one(client, model, "Summarise: " + long_text, 16)
+                long = stream_one(client, model, "Summarise: " + long_text, 16, args.logprobs)
                 log(f"long prompt ({long['prompt_tokens']} tokens): TTFT {long['ttft_s']:.2f} s")
                 after = metrics(base)
                 start.update(one_stream=one, concurrent=many, long_prompt=long, metrics_before=before,

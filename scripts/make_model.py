@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None,
                    help="keep the first N decoder layers (default: all of the preset's), e.g. so that a full-width "
                         "checkpoint fits a disk; each full-size layer holds 1.3 GiB of NVFP4 experts")
+    p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the synthetic tokenizer (tokenizer.json, chat template) and use its special-token ids "
+                        "as eos, so the checkpoint can be served (default: yes; --no-tokenizer keeps the full "
+                        "preset's published ids and writes none)")
     p.add_argument("--shard-size", type=float, default=4.0, help="maximum shard size in GiB (default 4)")
     p.add_argument("--threads", type=int, default=None, help="generator threads (default: CPU count, max 16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
     if os.path.isdir(a.out) and any(f.endswith(".safetensors") for f in os.listdir(a.out)):
         p.error(f"{a.out} already holds a checkpoint; choose an empty directory")
     try:
-        config = synthetic.make_config(a.preset, ngram_rows_scale=a.ngram_rows_scale, num_layers=a.layers)
+        config = synthetic.make_config(a.preset, ngram_rows_scale=a.ngram_rows_scale, num_layers=a.layers,
+                                             tokenizer=a.tokenizer)
     except ValueError as e:
         p.error(str(e))
     quant = synthetic.release_quant_config(config) if a.quant == "nvfp4" else None
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     t = time.time()
     synthetic.make_model(a.preset, a.quant, a.seed, a.out, ngram_rows_scale=a.ngram_rows_scale,
                          num_layers=a.layers, shard_size_gb=a.shard_size, threads=a.threads,
-                         progress=False if a.quiet else None)
+                         progress=False if a.quiet else None, tokenizer=a.tokenizer)
     print(f"done in {time.time() - t:.1f} s", file=sys.stderr)
     return 0
 

@@ -145,6 +145,26 @@ def test_bad_requests_are_refused(engine):
     assert engine.generate([[1, 2]], max_new_tokens=2, ignore_eos=True)[0]  # still serving
 
 
+def _device_bytes(tree) -> int:
+    import jax
+
+    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
+
+
+def test_planned_dense_bytes_are_the_loaded_bytes(nvfp4_dir, on_device):
+    """The plan counts the dense weights as they sit on the device: the MTP head's FP8 128-block experts
+    dequantised to the compute dtype, not at their stored FP8 size (a full-size bf16 head: 5 GiB, not 2.5);
+    mtp=False loads no MTP head and plans none."""
+    p = on_device.params
+    routed = _device_bytes([layer.moe.experts for layer in p.layers])
+    assert p.mtp is not None and on_device.plan.reserved["dense weights"] == _device_bytes(p) - routed
+    bare = jaxflash.load(nvfp4_dir, expert_residency="device", mtp=False, **SMALL)
+    assert bare.params.mtp is None and not bare.mtp
+    assert bare.plan.reserved["dense weights"] == _device_bytes(bare.params) - routed
+    with pytest.raises(ValueError, match="no MTP head is loaded"):
+        bare.mtp_logits([1, 2, 3])
+
+
 def test_host_residency_equals_device(nvfp4_dir, on_device):
     host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=8, **{**SMALL, "max_batch": 2})
     assert host.plan.residency == "host" and host.params.layers[0].moe.experts is None

@@ -214,6 +214,22 @@ def test_fewer_layers(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "num_layers must be in [2, 8]" in bad.stderr
     assert not (tmp_path / "bad").exists()
+    assert (out / "tokenizer.json").exists()
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_model.py"), "--preset", "tiny", "--quant",
+                    "bf16", "--layers", "2", "--no-tokenizer", "--out", str(bare), "--quiet"], check=True)
+    assert not (bare / "tokenizer.json").exists() and Checkpoint.open(str(bare)).config.num_hidden_layers == 2
+
+
+def test_full_preset_with_the_synthetic_tokenizer():
+    """A full-width checkpoint that can be served: with the synthetic tokenizer its eos ids are that
+    tokenizer's special tokens (the published ids lie past its vocabulary); without, the published ids stay."""
+    published = synthetic.make_config("full")
+    assert published.eos_token_ids == (248044, 248046)
+    c = synthetic.make_config("full", tokenizer=True)
+    tok = synthetic.build_tokenizer(c.vocab_size)
+    assert set(c.eos_token_ids) == {tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")}
+    assert c.replace(eos_token_id=published.eos_token_id, eos_token_ids=published.eos_token_ids) == published
 
 
 def test_synthetic_source_in_memory(made):

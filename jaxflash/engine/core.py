@@ -129,7 +129,8 @@ class Engine:
         """MTP draft logits [T-1, vocab] of one sequence: row t predicts token t+2 from the main model's state at
         t and token t+1 (teacher-forced over the sequence)."""
         if self.params.mtp is None:
-            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
+            raise ValueError("no MTP head is loaded: the checkpoint has no mtp.* tensors, or it was loaded with "
+                             "mtp=False")
         self._need_device_experts("mtp_logits")
         batch, lengths, single = self._batch(tokens)
         if min(lengths) < 2:
@@ -220,12 +221,13 @@ class Engine:
         return out
 
 
-def _weights_bar(ckpt: Checkpoint, show: bool | None, skip_experts: bool):
+def _weights_bar(ckpt: Checkpoint, show: bool | None, skip_experts: bool, skip_mtp: bool = False):
     """A byte-counting progress bar over the weights load_params reads (the n-gram table is read separately)."""
     from tqdm.auto import tqdm
 
     total = sum(ckpt.info(n).nbytes for n in ckpt.expected()
-                if "ngram_embedding" not in n and not (skip_experts and _ROUTED.match(n)))
+                if "ngram_embedding" not in n and not (skip_experts and _ROUTED.match(n))
+                and not (skip_mtp and n.startswith("mtp.")))
     return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
                 disable=None if show is None else not show, dynamic_ncols=True)
 
@@ -243,16 +245,26 @@ def expert_layout(ckpt: Checkpoint, cfg: ModelConfig) -> ffi.ExpertLayout | None
     return None
 
 
-def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_device: int) -> planner_mod.ModelBytes:
-    """Device bytes of the dense weights and of the routed experts once loaded for `dtype`."""
+def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_device: int,
+                mtp: bool = True) -> planner_mod.ModelBytes:
+    """Device bytes of the dense weights and of the routed experts once loaded for `dtype` (mtp=False: without
+    the MTP head, which is then not loaded)."""
     item = jnp.dtype(dtype).itemsize
     dense = experts = 0
     for name in ckpt.expected():
-        if "ngram_embedding" in name:
-            continue
+        if "ngram_embedding" in name or (not mtp and name.startswith("mtp.")):
+            continue  # the n-gram table is planned apart; with mtp=False no MTP head is loaded
         info = ckpt.info(name)
         numel = int(np.prod(info.shape, dtype=np.int64))
-        size = info.nbytes if info.dtype in ("U8", "F8_E4M3") or name.endswith("weight_scale_2") else numel * item
+        base = name.rsplit(".", 1)[0]
+        if ckpt.has(base + ".weight_scale_2"):  # NVFP4: codes, block scales and global scale stay as stored
+            size = info.nbytes
+        elif info.dtype == "F8_E4M3" and name.endswith(".weight"):  # FP8 128-block: dequantised to `dtype`
+            size = numel * item
+        elif name.endswith((".weight_scale", ".weight_scale_inv")) or info.dtype == "I64":
+            size = 0  # FP8 block scales are consumed on load; the PLE hash buffers (I64) are not weights
+        else:
+            size = numel * item
         if _ROUTED.match(name):
             experts += size
         else:
@@ -274,7 +286,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
     CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: run the MTP head in every
     step, keeping its KV cache current and drafting the token after next (default: when the checkpoint has one;
-    `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right).
+    `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right; mtp=False does not
+    load the head, whose VRAM then goes to the expert cache: 5 GiB at full size in bf16).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
@@ -305,7 +318,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     dev = device or jax.devices()[0]
     cpu = dev.platform == "cpu"
     layout = expert_layout(ckpt, cfg)
-    mb = model_bytes(ckpt, cfg, dtype, layout, 0 if on_device is None else on_device[0].nbytes)
+    with_mtp = mtp is not False and ckpt.has("mtp.fc_hidden.weight")
+    table_bytes = 0 if on_device is None else on_device[0].nbytes + (4 if on_device[1] is not None else 0)
+    mb = model_bytes(ckpt, cfg, dtype, layout, table_bytes, mtp=with_mtp)
     free, note = planner_mod.device_free_bytes(dev)
     plan = planner_mod.plan(
         cfg, mb, residency=expert_residency, budget=budget, free=free, free_note=note, max_batch=max_batch,
@@ -317,9 +332,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         raise planner_mod.PlanError("host-resident experts need NVFP4 or BF16 routed experts in the checkpoint")
     log.info("plan: %s", plan.summary())
 
-    with _weights_bar(ckpt, progress, skip_experts=host) as bar:
+    with _weights_bar(ckpt, progress, skip_experts=host, skip_mtp=not with_mtp) as bar:
         params = load_params(ckpt, cfg, dtype, ple_table=on_device, device=device, routed_experts=not host,
-                             on_read=lambda name: bar.update(ckpt.info(name).nbytes))
+                             with_mtp=with_mtp, on_read=lambda name: bar.update(ckpt.info(name).nbytes))
         bar.update(bar.total - bar.n)  # what was not read: input_scale, the PLE hash buffers
     host_experts = None
     if host:
