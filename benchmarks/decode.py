@@ -238,6 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
     ap.add_argument("--kernel", default="auto",
                     help="comma-separated: auto (decode experts by the NVFP4 kernels on a GPU), off (the jnp path)")
+    ap.add_argument("--gdn-kernel", default="off",
+                    help="comma-separated: off (the GDN decode step in XLA), on (its recurrent part in "
+                         "jaxflash.kernels.gdn_decode)")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
@@ -309,16 +312,19 @@ def main(argv=None) -> int:
     kernels = args.kernel.split(",")
     if not set(kernels) <= {"auto", "off"}:
         ap.error(f"--kernel takes auto and/or off, got {args.kernel!r}")
-    for mode, batch, routing, kern in itertools.product(modes, batches, routings, kernels):
+    gdn_kernels = args.gdn_kernel.split(",")
+    if not set(gdn_kernels) <= {"off", "on"}:
+        ap.error(f"--gdn-kernel takes off and/or on, got {args.gdn_kernel!r}")
+    for mode, batch, routing, kern, gdn_k in itertools.product(modes, batches, routings, kernels, gdn_kernels):
         free, note = planner.device_free_bytes(dev)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=batch,
                             budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                             max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
-        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
+        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "") + ("-gdnk" if gdn_k == "on" else "")
         if args.only and name not in args.only.split(","):
             continue
-        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False))
+        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False, gdn_k == "on"))
     device_params = None
     if "device" in modes:
         layers = []
@@ -329,7 +335,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(device_params)
 
     engines = []
-    for name, mode, batch, routing, plan, expert_kernel in configs:
+    for name, mode, batch, routing, plan, expert_kernel, gdn_kernel in configs:
         feed = None
         if routing == "calibrated":
             from routing import RoutingModel
@@ -341,7 +347,7 @@ def main(argv=None) -> int:
             feed = StreamRouting(ids)
         host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
-                     ngram=ngram, routing=feed, expert_kernel=expert_kernel)
+                     ngram=ngram, routing=feed, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel)
         for n in plan.notes:
             log(f"  {name}: plan: {n}")
         engines.append((name, eng))
@@ -360,7 +366,7 @@ def main(argv=None) -> int:
     if gbps:
         log(f"zero-copy gather alone: {gbps:.1f} GB/s (186 random records)")
     res["gather_gbps"] = gbps
-    for (name, eng), (_, mode, batch, routing, plan, _kern) in zip(engines, configs):
+    for (name, eng), (_, mode, batch, routing, plan, _kern, _gdn) in zip(engines, configs):
         prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(batch)]
         trace_dir = os.path.join(traces, name)
         run = run_config(name, eng, prompts, args, trace_dir, gbps, layout)

@@ -85,6 +85,8 @@ class Setup:
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
     expert_kernel: bool | None = None  # decode's resident experts by the NVFP4 kernels (None: where they apply;
     # host residency: host.kernel says the same for the cache slots)
+    gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (off by default until
+    # it is measured on a GPU; elsewhere it runs in interpret mode, for tests)
 
 
 class RoutingSource:
@@ -205,7 +207,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
     experts = st.experts if setup.host is not None else ResidentExperts(
         {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
-    h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids)
+    h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
+                                           setup.gdn_kernel)
     logits = final_logits(params, cfg, h[:, 0])
     with jax.named_scope("sampling"):
         lengths = st.seqs.lengths + n_new

@@ -150,8 +150,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 
 def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState,
-                   n_valid: Array | int | None = None) -> tuple[Array, GDNState]:
-    """x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the state as it was."""
+                   n_valid: Array | int | None = None, kernel: bool = False) -> tuple[Array, GDNState]:
+    """x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the state as it was.
+    kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on a GPU,
+    interpreted elsewhere); this function's own code is that kernel's twin."""
     t = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -161,6 +163,16 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     z = linear(x, p.in_proj_z).reshape(t, hv, dv)
     b = linear(x, p.in_proj_b)
     a = linear(x, p.in_proj_a)
+
+    if kernel and t == 1:
+        from ..kernels import gdn_decode
+        from ..kernels.nvfp4_experts import on_gpu
+
+        live = jnp.reshape(jnp.asarray(1 if n_valid is None else n_valid, jnp.int32) > 0, (1,)).astype(jnp.int32)
+        o, conv_state, recurrent = gdn_decode.recurrent_step(
+            cfg, qkv_raw, z[0], b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, p.norm,
+            state.conv.astype(x.dtype), state.recurrent, interpret=not on_gpu())
+        return linear(o.reshape(1, hv * dv), p.out_proj), GDNState(conv=conv_state, recurrent=recurrent)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
     qkv = silu(up(conv_out)).astype(x.dtype)

@@ -75,12 +75,14 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 
 
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
-                  state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None):
+                  state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None,
+                  gdn_kernel: bool = False):
     """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
     ple_rows [B, T, 16, d]: the n-gram rows of the new tokens (PLE layer only).
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
+    gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`).
     Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
     The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
     as it was.
@@ -104,7 +106,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
         else:
-            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n))(
+            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n, gdn_kernel))(
                 x, state.mixer, n_new)
         with jax.named_scope("hyper_connection"):
             h = hc.combine(h, inj, y)
@@ -120,10 +122,10 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
 
 def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
-                   ple_rows: Array | None, expert_ids: Array | None = None):
+                   ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False):
     """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
     states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
-    routers'). Returns (h [B, T, W] before the final mixer, the updated states, the updated expert source, a
+    routers'); gdn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the updated states, the updated expert source, a
     Routing per layer)."""
     h = embed(params, cfg, tokens)
     new_states, routings = [], []
@@ -131,7 +133,7 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
         with jax.named_scope(f"layer_{i}"):
             h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
                                               ple_rows if layer.ple is not None else None,
-                                              None if expert_ids is None else expert_ids[i])
+                                              None if expert_ids is None else expert_ids[i], gdn_kernel)
         new_states.append(st)
         routings.append(r)
     return h, tuple(new_states), experts, tuple(routings)
