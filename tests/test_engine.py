@@ -152,12 +152,15 @@ def _device_bytes(tree) -> int:
 
 
 def test_planned_dense_bytes_are_the_loaded_bytes(nvfp4_dir, on_device):
-    """The plan counts the dense weights as they sit on the device: the MTP head's FP8 128-block experts
-    dequantised to the compute dtype, not at their stored FP8 size (a full-size bf16 head: 5 GiB, not 2.5);
+    """The plan counts the dense weights as they sit on the device: the MTP head's experts stay FP8 in 128x128
+    blocks with float32 tile scales (as stored, 2.6 GiB at full size, where dequantised bf16 took 5 GiB);
     mtp=False loads no MTP head and plans none."""
+    from jaxflash.model.moe import FP8Block
+
     p = on_device.params
+    assert isinstance(p.mtp.layer.moe.experts.gate, FP8Block)
     routed = _device_bytes([layer.moe.experts for layer in p.layers])
-    assert p.mtp is not None and on_device.plan.reserved["dense weights"] == _device_bytes(p) - routed
+    assert on_device.plan.reserved["dense weights"] == _device_bytes(p) - routed
     bare = jaxflash.load(nvfp4_dir, expert_residency="device", mtp=False, **SMALL)
     assert bare.params.mtp is None and not bare.mtp
     assert bare.plan.reserved["dense weights"] == _device_bytes(bare.params) - routed

@@ -265,12 +265,11 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
         info = ckpt.info(name)
         numel = int(np.prod(info.shape, dtype=np.int64))
         base = name.rsplit(".", 1)[0]
-        if ckpt.has(base + ".weight_scale_2"):  # NVFP4: codes, block scales and global scale stay as stored
-            size = info.nbytes
-        elif info.dtype == "F8_E4M3" and name.endswith(".weight"):  # FP8 128-block: dequantised to `dtype`
-            size = numel * item
-        elif name.endswith((".weight_scale", ".weight_scale_inv")) or info.dtype == "I64":
-            size = 0  # FP8 block scales are consumed on load; the PLE hash buffers (I64) are not weights
+        if (ckpt.has(base + ".weight_scale_2") or info.dtype == "F8_E4M3"
+                or name.endswith((".weight_scale", ".weight_scale_inv"))):
+            size = info.nbytes  # NVFP4 and FP8 128-block weights stay as stored, with their scales
+        elif info.dtype == "I64":
+            size = 0  # the PLE hash buffers are not weights
         else:
             size = numel * item
         if _ROUTED.match(name):
@@ -295,7 +294,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: run the MTP head in every
     step, keeping its KV cache current and drafting the token after next (default: when the checkpoint has one;
     `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right; mtp=False does not
-    load the head, whose VRAM then goes to the expert cache: 5 GiB at full size in bf16).
+    load the head, whose VRAM then goes to the expert cache: 2.6 GiB at full size).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True

@@ -1,7 +1,8 @@
 """Sparse MoE with a shared expert (docs/model.md §10).
 
-Routed experts are stored either dense ([E, out, in], BF16/F32 checkpoints) or as NVFP4 (`NVFP4` below,
-dequantised inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16). Ways to run them:
+Routed experts are stored dense ([E, out, in], BF16/F32 checkpoints), as NVFP4 (`NVFP4` below, dequantised
+inside the matmul: Hopper has no FP4 tensor cores, so this is W4A16) or as FP8 in 128x128 blocks (`FP8Block`:
+the MTP head's experts in the NVFP4 checkpoint, dequantised when gathered). Ways to run them:
   * kernel: NVFP4 experts on a GPU at decode sizes: the Pallas kernels of jaxflash.kernels.nvfp4_experts read
     the 4-bit weights where they are; `experts_gather` is their twin.
   * gather: per (token, k) take that expert's weights. Cheap when tokens*top_k is small (decode).
@@ -32,6 +33,25 @@ class NVFP4:
     packed: Array  # [E, N, K/2] uint8, two E2M1 codes per byte, low nibble first
     scale: Array  # [E, N, K/16] float8_e4m3fn, one per 16 inputs
     scale2: Array  # [E] float32 per-tensor scale (weight_scale_2)
+
+
+@pytree_dataclass
+class FP8Block:
+    """A stack of FP8 matrices W[e] [N, K] with a float32 scale per 128x128 tile (ModelOpt's FP8_PB_WO), kept
+    as stored: half the memory of bf16, a quarter of float32."""
+
+    q: Array  # [E, N, K] float8_e4m3fn
+    scale: Array  # [E, ceil(N/128), ceil(K/128)] float32, the multiplier of each tile
+
+
+def dequantize_fp8(w: FP8Block, dtype) -> Array:
+    """W[..., n, k] = q * scale[..., n // 128, k // 128], the float32 product rounded once to `dtype` (as
+    jaxflash.quant.dequantize_fp8_block; any leading axes)."""
+    from ..quant import FP8_BLOCK
+
+    n, k = w.q.shape[-2:]
+    full = jnp.repeat(jnp.repeat(w.scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
+    return (w.q.astype(jnp.float32) * full.astype(jnp.float32)).astype(dtype)
 
 
 def dequantize(w: NVFP4, dtype) -> Array:
@@ -68,20 +88,24 @@ def nvfp4_matvec(w: NVFP4, x: Array) -> Array:
     return jnp.sum(groups * w.scale.astype(f), axis=-1) * w.scale2[..., None].astype(f)
 
 
-def take_experts(w: Array | NVFP4, idx: Array) -> Array | NVFP4:
+def take_experts(w: Array | NVFP4 | FP8Block, idx: Array) -> Array | NVFP4 | FP8Block:
     """The experts idx (any shape) of a stacked weight: leading axis E becomes idx's shape."""
     return jax.tree.map(lambda a: a[idx], w)
 
 
-def as_dense(w: Array | NVFP4, dtype) -> Array:
-    return dequantize(w, dtype) if isinstance(w, NVFP4) else w.astype(dtype)
+def as_dense(w: Array | NVFP4 | FP8Block, dtype) -> Array:
+    if isinstance(w, NVFP4):
+        return dequantize(w, dtype)
+    if isinstance(w, FP8Block):
+        return dequantize_fp8(w, dtype)
+    return w.astype(dtype)
 
 
 @pytree_dataclass
 class Experts:
-    gate: Array | NVFP4  # [E, I, H]
-    up: Array | NVFP4  # [E, I, H]
-    down: Array | NVFP4  # [E, H, I]
+    gate: Array | NVFP4 | FP8Block  # [E, I, H]
+    up: Array | NVFP4 | FP8Block  # [E, I, H]
+    down: Array | NVFP4 | FP8Block  # [E, H, I]
 
 
 @pytree_dataclass

@@ -9,7 +9,6 @@ Each layer is converted and put on the device before the next is read, so host m
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from . import gated_deltanet as gdn
 from . import hyper_connection as hc
 from . import ple as ple_mod
 from .attention import Attention
-from .moe import MoE, NVFP4, Experts
+from .moe import NVFP4, Experts, FP8Block, MoE
 from .mtp import MTP
 from .qsa import Indexer
 from .transformer import DecoderLayer, Params
@@ -47,8 +46,8 @@ class DictSource:
 class _Reader:
     """Reads named tensors from a source and converts them to device arrays of the compute dtype."""
 
-    def __init__(self, source, dtype, on_read: Callable[[str], None] | None = None, device=None):
-        self.source, self.dtype, self.on_read, self.device = source, jnp.dtype(dtype), on_read, device
+    def __init__(self, source, dtype, on_read: Callable[[str], None] | None = None):
+        self.source, self.dtype, self.on_read = source, jnp.dtype(dtype), on_read
 
     def raw(self, name: str) -> np.ndarray:
         a = self.source.read(name)
@@ -93,8 +92,9 @@ def _attention(r: _Reader, cfg: ModelConfig, p: str) -> Attention:
     )
 
 
-def _expert_stack(r: _Reader, p: str, proj: str, n: int) -> np.ndarray | NVFP4:
-    """All experts' `proj` as one stack: NVFP4 kept packed, FP8 128-block dequantised, dense cast."""
+def _expert_stack(r: _Reader, p: str, proj: str, n: int) -> np.ndarray | NVFP4 | FP8Block:
+    """All experts' `proj` as one stack: NVFP4 kept packed, FP8 128-block kept as FP8 with its scales, dense
+    cast."""
     names = [f"{p}.experts.{e}.{proj}" for e in range(n)]
     src = r.source
     if src.has(f"{names[0]}.weight_scale_2"):  # NVFP4
@@ -108,25 +108,12 @@ def _expert_stack(r: _Reader, p: str, proj: str, n: int) -> np.ndarray | NVFP4:
         # `weight_scale_inv` (DeepSeek's name) is, despite the name, the same multiplier as weight_scale
         scales = [f"{nm}.weight_scale" if src.has(f"{nm}.weight_scale") else f"{nm}.weight_scale_inv"
                   for nm in names]
-        q = np.stack([first] + [r.raw(f"{nm}.weight") for nm in names[1:]])
-        s = np.stack([np.asarray(r.raw(nm), np.float32) for nm in scales])
-        # dequantised on the device, in one fusion: numpy took 16 s for a full-size head (1,536 experts)
-        return _dequantize_fp8_stack(jax.device_put(q, r.device), jax.device_put(s, r.device), r.dtype)
+        return FP8Block(q=np.stack([first] + [r.raw(f"{nm}.weight") for nm in names[1:]]),
+                        scale=np.stack([np.asarray(r.raw(nm), np.float32) for nm in scales]))
     out = np.empty((n, *first.shape), r.dtype)
     for e, nm in enumerate(names):
         out[e] = first if e == 0 else r.raw(f"{nm}.weight")
     return out
-
-
-@partial(jax.jit, static_argnums=2)
-def _dequantize_fp8_stack(q, scale, dtype):
-    """FP8 [E, N, K] times its per-tile scale [E, ceil(N/b), ceil(K/b)], as jaxflash.quant.dequantize_fp8_block
-    (float32 product, one rounding to `dtype`)."""
-    from ..quant import FP8_BLOCK
-
-    _, n, k = q.shape
-    full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :n, :k]
-    return (q.astype(jnp.float32) * full).astype(dtype)
 
 
 def _moe(r: _Reader, cfg: ModelConfig, p: str, routed: bool = True) -> MoE:
@@ -179,7 +166,7 @@ def load_params(source, cfg: ModelConfig, dtype="float32", *, ple_table=None, de
     routed_experts=False leaves the decoder layers' routed experts out (experts=None): the engine keeps them in
     a host pool instead; the MTP layer's experts are always loaded with the head (with_mtp=False: no head).
     """
-    r = _Reader(source, dtype, on_read, device)
+    r = _Reader(source, dtype, on_read)
     put = (lambda tree: jax.device_put(tree, device))
     layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
     if ple_table is not None:
