@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="b1,b4,b8,verify4")
     ap.add_argument("--sweep", default="default",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
-                         "rows_down:chunk_down:warps_down[:unroll[:math]];... (math: f32, f16x2, auto)")
+                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale]]];... (math: f32, f16x2, "
+                         "auto; x_scale: chunk, row)")
     ap.add_argument("--sweep-budget", type=float, default=300,
                     help="seconds for the sweep: configurations left when it is spent are skipped (and listed)")
     ap.add_argument("--out", default=None)
@@ -319,11 +320,11 @@ def main(argv=None) -> int:
     if args.sweep == "default":
         # rows_gu, chunk_gu, warps_gu, rows_down, chunk_down, warps_down, unroll
         # (unrolled walks were slower and compile slowly: benchmarks/RESULTS.md)
-        grid = [(8, 256, 2, 16, 64, 2, 0, "f32"), (8, 256, 2, 16, 64, 2, 0, "f16x2"),
-                (8, 256, 4, 16, 64, 4, 0, "f16x2"), (16, 256, 4, 32, 64, 4, 0, "f16x2"),
-                (4, 256, 1, 8, 64, 1, 0, "f16x2"), (16, 256, 2, 16, 64, 2, 0, "f16x2"),
-                (8, 128, 2, 16, 32, 2, 0, "f16x2"), (32, 256, 8, 64, 64, 8, 0, "f16x2"),
-                (4, 256, 2, 8, 64, 2, 0, "f16x2")]
+        # (the first rows: the default, its input scale per row, its float32 products)
+        grid = [(32, 256, 8, 8, 64, 1, 0, "f16x2", "chunk"), (32, 256, 8, 8, 64, 1, 0, "f16x2", "row"),
+                (32, 256, 8, 8, 64, 1, 0, "f32"), (8, 256, 4, 8, 64, 1, 0, "f16x2", "row"),
+                (16, 256, 4, 16, 64, 2, 0, "f16x2", "row"), (64, 256, 8, 8, 64, 1, 0, "f16x2", "row"),
+                (32, 256, 4, 4, 64, 1, 0, "f16x2", "row"), (32, 256, 8, 8, 32, 1, 0, "f16x2", "row")]
     elif args.sweep == "none":
         d = K.Tiles()
         grid = [(d.rows_gu, d.chunk_gu, d.warps_gu, d.rows_down, d.chunk_down, d.warps_down, d.unroll, d.math)]
@@ -335,7 +336,8 @@ def main(argv=None) -> int:
     for g in grid:
         tiles = K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4],
                         warps_down=g[5], unroll=g[6] if len(g) > 6 else K.Tiles().unroll,
-                        math=g[7] if len(g) > 7 else K.Tiles().math)
+                        math=g[7] if len(g) > 7 else K.Tiles().math,
+                        x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
         if time.perf_counter() - t_sweep > args.sweep_budget:
             log(f"sweep {g}: skipped (the {args.sweep_budget:.0f} s sweep budget is spent)")
             sweep.append({"skipped": True, "tiles": dataclasses.asdict(tiles)})

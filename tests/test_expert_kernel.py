@@ -101,19 +101,28 @@ def test_pow2_above_is_exact():
         assert s / 2 < m or (m < 2.0**-126 and s == 2.0**-126)  # the least one (2^-126 for subnormals)
 
 
-def test_f16x2_keeps_large_and_small_tokens():
-    """bfloat16 tokens far outside float16's range (3e4 .. 1e6) or tiny (1e-6) stay accurate: each chunk is
-    scaled by a power of two into [-1, 1] before the float16 products."""
+@pytest.mark.parametrize("x_scale", ["chunk", "row"])
+def test_f16x2_keeps_large_and_small_tokens(x_scale):
+    """bfloat16 tokens far outside float16's range (3e4 .. 1e6) or tiny (1e-6), and a row whose halves lie 1e4
+    apart, stay accurate: the inputs are scaled by a power of two into [-1, 1] (per chunk of the walk, or per
+    row) before the float16 products. Small chunks, so that a walk has several."""
     rng = np.random.default_rng(8)
-    ex = random_experts(rng, 6, 64, 32)
+    h, i = 256, 128
+    ex = random_experts(rng, 6, h, i)
     place, ops = K.resident_operands(ex)
     ids = jnp.asarray(top_k_ids(rng, 2, 6, 3))
     w = jnp.asarray(rng.uniform(size=(2, 3)), jnp.bfloat16)
-    for scale in (1e6, 3e4, 1e-6):
-        x = jnp.asarray(rng.normal(size=(2, 64)) * scale, jnp.bfloat16)
-        out = K.routed_experts(place, ops, x, ids, w, tiles=K.Tiles(math="f16x2"))
+    tiles = K.Tiles(math="f16x2", x_scale=x_scale, chunk_gu=64, chunk_down=16)
+    for scale in (1e6, 3e4, 1e-6, None):
+        x = rng.normal(size=(2, h)) * (scale or 1.0)
+        if scale is None:
+            x[:, h // 2:] *= 1e4
+        x = jnp.asarray(x, jnp.bfloat16)
+        out = K.routed_experts(place, ops, x, ids, w, tiles=tiles)
         assert np.isfinite(np.asarray(out)).all()
         assert rel_err(out, experts_gather(ex, x, ids, w)) < TOL_F16X2
+    with pytest.raises(ValueError, match="x_scale"):
+        K.routed_experts(place, ops, x, ids, w, tiles=K.Tiles(x_scale="tile"))
 
 
 @pytest.mark.parametrize("n_exp,k,n_tok,dtype", [(7, 3, 1, jnp.bfloat16), (7, 3, 3, jnp.bfloat16),

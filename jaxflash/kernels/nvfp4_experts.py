@@ -21,8 +21,8 @@ Why this shape:
         hardware's E4M3x2 -> f16x2 conversion turns into halves (the value times 2^-6, exactly); the products
         lo * x[2c] + hi * x[2c+1] of a byte run in f16x2 arithmetic (inline PTX, 4 bytes at a time), summed in
         float32 per scale group. Each chunk of inputs is scaled by a power of two into [-1, 1] first, so
-        float16 cannot overflow; the products are rounded to float16 (2^-11, below the bfloat16 inputs' own
-        2^-9). About 4 instructions per byte where the float32 path spends about 12: 1.3-1.6x faster on the
+        float16 cannot overflow (Tiles.x_scale "row": one power of two per token row instead, an untimed
+        variant); the products are rounded to float16 (2^-11, below the bfloat16 inputs' own 2^-9). About 4 instructions per byte where the float32 path spends about 12: 1.3-1.6x faster on the
         H200 (RESULTS.md).
       - float32 (float32 tokens, or Tiles(math="f32")): a code's magnitude bits and sign are placed into a
         float16 bit pattern (the value times 2^-14, exactly, the 0.5 included as a subnormal), converted to
@@ -135,6 +135,7 @@ class Tiles:
     stages: int = 2
     unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
     math: str = "auto"  # "f32", "f16x2" (see _f16x2_products), "auto": f16x2 for bfloat16 tokens
+    x_scale: str = "chunk"  # f16x2: the inputs' power of two per "chunk" of a walk, or per "row" (one pre-pass)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -150,7 +151,8 @@ def fit_tiles(place: Placement, t: Tiles) -> Tiles:
     return Tiles(rows_gu=_pow2_divisor(i, t.rows_gu), rows_down=_pow2_divisor(h, t.rows_down),
                  chunk_gu=max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu)),
                  chunk_down=max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down)),
-                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math)
+                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math,
+                 x_scale=t.x_scale)
 
 
 MATHS = ("auto", "f32", "f16x2")
@@ -159,6 +161,8 @@ MATHS = ("auto", "f32", "f16x2")
 def resolve_math(t: Tiles, dtype) -> str:
     if t.math not in MATHS:
         raise ValueError(f"Tiles.math must be one of {MATHS}, got {t.math!r}")
+    if t.x_scale not in ("chunk", "row"):
+        raise ValueError(f"Tiles.x_scale must be 'chunk' or 'row', got {t.x_scale!r}")
     if t.math == "auto":
         return "f16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
     return t.math
@@ -307,11 +311,22 @@ def _pow2_above(m):
             jax.lax.bitcast_convert_type(0x7F000000 - s_bits, jnp.float32))
 
 
-def _dot_tile_f16x2(codes, sc, xe, xo, interpret: bool):
-    """_dot_tile in float16x2 arithmetic: the chunk's inputs scaled by a power of two into [-1, 1] (so that
-    float16 cannot overflow, whatever the bfloat16 tokens hold), the per-byte products summed in float32 per
-    group and scaled back with the block scale."""
-    s, inv = _pow2_above(jnp.maximum(jnp.max(jnp.abs(xe)), jnp.max(jnp.abs(xo))))
+def _row_scale(ref, row, steps: int, chunk: int, groups: int):
+    """_pow2_above of the largest |input| of a whole row (Tiles.x_scale "row"): an elementwise max over the
+    walk's chunks, then a single reduction, where "chunk" reduces across the program at every step."""
+    def body(step, m):
+        xe, xo = _inputs(ref, row, step * chunk, groups)
+        return jnp.maximum(m, jnp.maximum(jnp.abs(xe), jnp.abs(xo)))
+
+    m = jax.lax.fori_loop(0, steps, body, jnp.zeros((groups, _BYTES_PER_GROUP), jnp.float32))
+    return _pow2_above(jnp.max(m))
+
+
+def _dot_tile_f16x2(codes, sc, xe, xo, interpret: bool, scale=None):
+    """_dot_tile in float16x2 arithmetic: the inputs scaled by a power of two into [-1, 1] (so that float16
+    cannot overflow, whatever the bfloat16 tokens hold; scale: the row's (s, 1/s), else the chunk's own), the
+    per-byte products summed in float32 per group and scaled back with the block scale."""
+    s, inv = scale if scale is not None else _pow2_above(jnp.maximum(jnp.max(jnp.abs(xe)), jnp.max(jnp.abs(xo))))
     shape = codes.shape
     xe16 = jnp.broadcast_to((xe * inv).astype(jnp.float16)[None], shape)
     xo16 = jnp.broadcast_to((xo * inv).astype(jnp.float16)[None], shape)
@@ -355,10 +370,15 @@ def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Pa
 # that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat reads the
 # expert's few KB per program again from L1/L2, not from HBM).
 def _products(t: Tiles, interpret: bool):
-    """dot(codes, scales, xe, xo) -> [rows, groups] float32 for the tile's arithmetic (t.math resolved)."""
+    """dot(codes, scales, xe, xo, row scale or None) -> [rows, groups] float32 for the tile's arithmetic
+    (t.math resolved)."""
     if t.math == "f16x2":
-        return lambda codes, sc, xe, xo: _dot_tile_f16x2(codes, sc, xe, xo, interpret)
-    return lambda codes, sc, xe, xo: _dot_tile(*_unpack(codes), sc, xe, xo)
+        return lambda codes, sc, xe, xo, xs: _dot_tile_f16x2(codes, sc, xe, xo, interpret, xs)
+    return lambda codes, sc, xe, xo, xs: _dot_tile(*_unpack(codes), sc, xe, xo)
+
+
+def _input_scale(t: Tiles, ref, row, steps: int, chunk: int, groups: int):
+    return _row_scale(ref, row, steps, chunk, groups) if t.math == "f16x2" and t.x_scale == "row" else None
 
 
 def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
@@ -376,10 +396,12 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
     for r in range(n_tok):
         @pl.when(first & hit[r])
         def _():
+            xs = _input_scale(t, x_ref, _i32(r), half_h // chunk, chunk, groups)
+
             def compute(tile, step, acc):
                 (gw, uw), (g_sc, u_sc) = tile
                 xe, xo = _inputs(x_ref, _i32(r), step * chunk, groups)
-                return acc[0] + dot(gw, g_sc, xe, xo), acc[1] + dot(uw, u_sc, xe, xo)
+                return acc[0] + dot(gw, g_sc, xe, xo, xs), acc[1] + dot(uw, u_sc, xe, xo, xs)
 
             zero = jnp.zeros((rows, groups), jnp.float32)
             acc = _walk(half_h // chunk, t.unroll, load, compute, (zero, zero))
@@ -403,10 +425,12 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
     for r in range(n_tok):
         @pl.when(first & hit[r])
         def _():
+            xs = _input_scale(t, act_ref, pair[r], half_i // chunk, chunk, groups)
+
             def compute(tile, step, acc):
                 (dw,), (sc,) = tile
                 ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
-                return acc + dot(dw, sc, ae, ao)
+                return acc + dot(dw, sc, ae, ao, xs)
 
             acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
             y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
