@@ -6,8 +6,9 @@ pair computes, for every (token n, choice j),
     act[n, j] = bf16( silu(bf16(gate_e x_n)) * bf16(up_e x_n) )          e = ids[n, j]   (gate_up kernel)
     y[n, j]   = bf16( down_e act[n, j] )                                                  (down kernel)
 
-and `routed_experts` returns sum_j w[n, j] * y[n, j] in float32: exactly the arithmetic of
-`jaxflash.model.moe.experts_gather`, its pure-jnp twin, which is the CPU path and the tests' oracle.
+and `routed_experts` returns sum_j w[n, j] * y[n, j] in float32: the function of
+`jaxflash.model.moe.experts_gather`, its pure-jnp twin, which is the CPU path and the tests' oracle (the
+float32 path below does its arithmetic; the float16x2 path rounds each product to float16).
 
 Why this shape:
   * The weights are read where they live, as NVFP4 bytes: the resident expert tensors, or a cache slot's record
@@ -22,8 +23,9 @@ Why this shape:
         lo * x[2c] + hi * x[2c+1] of a byte run in f16x2 arithmetic (inline PTX, 4 bytes at a time), summed in
         float32 per scale group. Each chunk of inputs is scaled by a power of two into [-1, 1] first, so
         float16 cannot overflow (Tiles.x_scale "row": one power of two per token row instead, an untimed
-        variant); the products are rounded to float16 (2^-11, below the bfloat16 inputs' own 2^-9). About 4 instructions per byte where the float32 path spends about 12: 1.3-1.6x faster on the
-        H200 (RESULTS.md).
+        variant); the products are rounded to float16 (2^-11, below the bfloat16 inputs' own 2^-9). About 4
+        instructions per byte where the float32 path spends about 12: 1.3-1.6x faster on the H200
+        (RESULTS.md).
       - float32 (float32 tokens, or Tiles(math="f32")): a code's magnitude bits and sign are placed into a
         float16 bit pattern (the value times 2^-14, exactly, the 0.5 included as a subnormal), converted to
         float32, multiplied and summed in float32.

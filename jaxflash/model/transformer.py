@@ -125,8 +125,8 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
                    ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False):
     """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
     states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
-    routers'); gdn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the updated states, the updated expert source, a
-    Routing per layer)."""
+    routers'); gdn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the updated states,
+    the updated expert source, a Routing per layer)."""
     h = embed(params, cfg, tokens)
     new_states, routings = [], []
     for i, layer in enumerate(params.layers):
