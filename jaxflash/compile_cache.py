@@ -1,5 +1,6 @@
 """JAX's persistent compilation cache for jaxflash's tools: the second start of the same configuration loads
-its compiled programs from disk instead of compiling them again (minutes for the full-size model).
+its compiled programs from disk instead of compiling them again (minutes for the full-size model). The engine's
+program store (jaxflash.engine.program_store) lives in the same directory and is on when this is.
 
 The tools (scripts/serve.py, generate.py, perplexity.py) turn it on by default. Library users who want it call
 `enable_compilation_cache()` themselves: it changes JAX's global configuration, so importing jaxflash does

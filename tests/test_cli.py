@@ -98,5 +98,8 @@ def test_a_second_start_reads_the_compilation_cache(tmp_path):
     assert r.stdout.strip() and "3 generated" in r.stderr
     entries = set(os.listdir(cache))
     assert any(e.startswith("jit_decode") for e in entries) and any(e.startswith("jit_prefill") for e in entries)
-    r = run("generate.py", "--prompt", "And God said", "-n", "3", "--ignore-eos", cache=cache)
-    assert r.returncode == 0 and set(os.listdir(cache)) == entries  # nothing new compiled and stored
+    stored = set(os.listdir(cache / "jaxflash_programs"))  # engine/program_store.py: found without tracing
+    assert len(stored) == 4  # admit, release, prefill, decode@1
+    again = run("generate.py", "--prompt", "And God said", "-n", "3", "--ignore-eos", cache=cache)
+    assert again.returncode == 0 and set(os.listdir(cache)) == entries  # nothing new compiled and stored
+    assert set(os.listdir(cache / "jaxflash_programs")) == stored and again.stdout == r.stdout

@@ -37,6 +37,7 @@ from ..model.attention import PagedKV
 from ..model.base import Array, TokenBatch, pytree_dataclass, up
 from ..model.moe import ResidentExperts
 from ..model.transformer import LayerState, Params, final_logits, forward_layers, init_layer_state
+from . import program_store
 from .experts import CachedExperts, HostExperts, StagedExperts
 from .sampling import SamplingRows, sample
 
@@ -416,27 +417,43 @@ class Runner:
         """The compiled program, built on first use (see `compile`)."""
         key = self._key(name, want, rows)
         if key not in self._programs:
-            self._programs[key] = self._build(*key)
+            self._programs[key], _ = self._build_or_load(key)
         return self._programs[key]
 
     def compile(self, programs) -> dict[str, float]:
         """Compile the programs [(name, Want or None[, rows]), ...] that are not built yet, side by side (XLA
         compiles in native threads); a server does this before it says it is ready. Returns each one's seconds
-        (a program found in the persistent compilation cache takes only its tracing time)."""
+        (a program found in the program store takes a file read; one found in JAX's persistent compilation cache
+        its tracing time)."""
         todo = [k for k in dict.fromkeys(self._key(*p) for p in programs) if k not in self._programs]
 
         def build(key):
             t0 = time.perf_counter()
-            compiled = self._build(*key)
-            return compiled, time.perf_counter() - t0
+            compiled, how = self._build_or_load(key)
+            return compiled, how, time.perf_counter() - t0
 
         seconds = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
-            for key, (compiled, dt) in zip(todo, pool.map(build, todo)):
+            for key, (compiled, how, dt) in zip(todo, pool.map(build, todo)):
                 self._programs[key] = compiled
                 seconds[_label(*key)] = dt
-                log.info("compiled %s in %.1f s", _label(*key), dt)
+                log.info("%s %s in %.1f s", how, _label(*key), dt)
         return seconds
+
+    def _build_or_load(self, key: tuple):
+        """(the compiled program, "loaded" from the program store or "compiled"); see engine/program_store.py.
+        A runner with a RoutingSource (benchmarks) is never stored."""
+        fp = None
+        if self.setup.routing is None and program_store.directory() is not None:
+            fp = program_store.fingerprint(_label(*key), self.setup, self._params, self._params_def,
+                                           self._state_shapes, self._state_def, self._inputs(*key))
+            stored = program_store.load(fp)
+            if stored is not None:
+                return stored, "loaded"
+        compiled = self._build(*key)
+        if fp is not None:
+            program_store.save(fp, compiled)
+        return compiled, "compiled"
 
     def _build(self, name: str, want: Want | None, rows: int | None):
         """Trace and compile one program over (weight leaves, state leaves, *inputs) ahead of time: its inputs'
