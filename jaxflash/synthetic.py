@@ -604,6 +604,11 @@ def _stream(out, fnames, shards, total, threads, inflight_bytes, progress) -> No
 # ---------------------------------------------------------------------------------------------------------------
 # Presets and the CLI's entry point
 # ---------------------------------------------------------------------------------------------------------------
+def _writes_tokenizer(preset: str, tokenizer: bool | None) -> bool:
+    """The synthetic tokenizer by default for tiny and small; the full preset keeps the published ids."""
+    return preset != "full" if tokenizer is None else tokenizer
+
+
 def make_config(preset: str, *, ngram_rows_scale: float = 1.0, num_layers: int | None = None,
                 tokenizer: bool | None = None) -> ModelConfig:
     """The preset's config with eos ids that are special tokens of the synthetic tokenizer (tokenizer: default
@@ -613,13 +618,14 @@ def make_config(preset: str, *, ngram_rows_scale: float = 1.0, num_layers: int |
     first decoder layers only (the 3:1 GDN/attention pattern and the PLE layer stay), e.g. to fit a
     full-width checkpoint on a small disk."""
     c = presets.preset(preset)
+    tokenizer = _writes_tokenizer(preset, tokenizer)
     if num_layers is not None:
         need = max(c.ple_layer_ids, default=1)
         if not need <= num_layers <= c.num_hidden_layers:
             raise ValueError(f"num_layers must be in [{need}, {c.num_hidden_layers}] for preset {preset!r} (the "
                              f"PLE layer is decoder layer {need}), got {num_layers}")
         c = c.replace(num_hidden_layers=num_layers, layer_types=c.layer_types[:num_layers])
-    if (preset != "full") if tokenizer is None else tokenizer:
+    if tokenizer:
         c = c.replace(eos_token_id=TOKEN_IDS["<|endoftext|>"],
                       eos_token_ids=(TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]))
     if ngram_rows_scale != 1.0:
@@ -636,7 +642,7 @@ def make_model(preset: str, quant: str, seed: int, out: str, *, ngram_rows_scale
                progress: bool | None = None, tokenizer: bool | None = None) -> str:
     """tokenizer: write the synthetic tokenizer (default: tiny and small). With the full preset's vocabulary most
     ids have no token and decode to nothing, but the checkpoint can then be served and generated from."""
-    tok = preset != "full" if tokenizer is None else tokenizer
+    tok = _writes_tokenizer(preset, tokenizer)
     c = make_config(preset, ngram_rows_scale=ngram_rows_scale, num_layers=num_layers, tokenizer=tok)
     return write_checkpoint(out, c, quant=quant, seed=seed, shard_bytes=max(1, int(shard_size_gb * (1 << 30))),
                             threads=threads, tokenizer=tok, progress=progress)

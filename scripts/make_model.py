@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         p.error(f"{a.out} already holds a checkpoint; choose an empty directory")
     try:
         config = synthetic.make_config(a.preset, ngram_rows_scale=a.ngram_rows_scale, num_layers=a.layers,
-                                             tokenizer=a.tokenizer)
+                                       tokenizer=a.tokenizer)
     except ValueError as e:
         p.error(str(e))
     quant = synthetic.release_quant_config(config) if a.quant == "nvfp4" else None

@@ -61,9 +61,7 @@ def describe(v):
         return {"type": type(v).__qualname__,
                 **{k: repr(a) for k, a in sorted(vars(v).items())
                    if not k.startswith("_") and isinstance(a, (int, float, str, bool, np.dtype))}}
-    if isinstance(v, (np.dtype, np.generic)) or type(v).__module__.split(".")[0] in ("jax", "numpy", "ml_dtypes"):
-        return repr(v)  # dtypes and shape structs: stable
-    return repr(v)
+    return repr(v)  # stable for dtypes and shape structs
 
 
 def _leaf(a) -> list:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..config import ModelConfig
+from . import on_gpu
 
 Array = jax.Array
 DTYPES = (jnp.bfloat16, jnp.float32)  # compute dtypes the kernel takes (the state is float32 for both)
@@ -102,13 +103,20 @@ def _compiler_params(warps: int):
     return plgpu.CompilerParams(num_warps=warps, num_stages=1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "interpret", "warps"))
 def recurrent_step(cfg: ModelConfig, qkv_raw: Array, z: Array, b: Array, a: Array, live: Array, conv_w: Array,
                    dt_bias: Array, a_log: Array, norm: Array, conv_state: Array, recurrent: Array, *,
-                   interpret: bool, warps: int = 4):
+                   interpret: bool | None = None, warps: int = 4):
     """One token of one sequence: qkv_raw [1, C], z [Hv, dv], b and a [Hv], live [1] int32 (0: a padding token),
     the layer's conv1d [C, K], dt_bias and A_log [Hv], norm [dv], conv_state [K-1, C], recurrent [Hv, dk, dv]
-    float32 -> (o [Hv, dv] normed and gated, the new conv state, the new recurrent state). Batches: jax.vmap."""
+    float32 -> (o [Hv, dv] normed and gated, the new conv state, the new recurrent state). Batches: jax.vmap.
+    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    return _recurrent_step(cfg, qkv_raw, z, b, a, live, conv_w, dt_bias, a_log, norm, conv_state, recurrent,
+                           interpret=not on_gpu() if interpret is None else interpret, warps=warps)
+
+
+@partial(jax.jit, static_argnames=("cfg", "interpret", "warps"))
+def _recurrent_step(cfg: ModelConfig, qkv_raw, z, b, a, live, conv_w, dt_bias, a_log, norm, conv_state, recurrent,
+                    *, interpret: bool, warps: int):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     dt = qkv_raw.dtype

@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import on_gpu
+
 Array = jax.Array
 NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
 
@@ -219,12 +221,13 @@ def _codes(refs, part: Part, e, offs):
     return refs[part.arg][e, part.offset + offs]
 
 
-def _scales(refs, part: Part, e, offs):
-    """FP8 block scales as float32, times 2^14 (see _unpack)."""
+def _scales(refs, part: Part, e, offs, fold: float):
+    """FP8 block scales as float32, times `fold`: the factor the product path's decoded codes lack (2^14 for
+    _unpack's, 2^6 for _f16x2_products')."""
     raw = refs[part.arg][e, part.offset + offs]
     if part.kind == "f8u8":
         raw = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
-    return raw.astype(jnp.float32) * _TWO14
+    return raw.astype(jnp.float32) * fold
 
 
 def _global_scale(refs, part: Part, e):
@@ -285,7 +288,7 @@ fma.rn.f16x2 q, f, $6, q;
 mov.b32 $0, p;
 mov.b32 $1, q;
 }"""
-_TWO6 = float(2**6)  # the E4M3 placement's factor, folded into the block scale like _TWO14
+_TWO6 = float(2**6)  # the E4M3 placement's factor, folded into the block scale (see _fold)
 
 
 def _f16x2_products(codes, xe, xo, interpret: bool):
@@ -333,7 +336,7 @@ def _dot_tile_f16x2(codes, sc, xe, xo, interpret: bool, scale=None):
     xe16 = jnp.broadcast_to((xe * inv).astype(jnp.float16)[None], shape)
     xo16 = jnp.broadcast_to((xo * inv).astype(jnp.float16)[None], shape)
     p = _f16x2_products(codes, xe16, xo16, interpret)
-    return jnp.sum(p.astype(jnp.float32), axis=-1) * (sc * (s * (_TWO6 / _TWO14)))
+    return jnp.sum(p.astype(jnp.float32), axis=-1) * (sc * s)
 
 
 def _dot_tile(lo, hi, sc, xe, xo):
@@ -353,16 +356,22 @@ def _walk(steps: int, unroll: int, load, compute, acc):
     return jax.lax.fori_loop(0, steps, lambda s, a: compute(load(s), s, a), acc)
 
 
+def _fold(t: Tiles) -> float:
+    """The power of two the block scales carry for the tile's product path (t.math resolved)."""
+    return _TWO6 if t.math == "f16x2" else _TWO14
+
+
 def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Part, ...],
-                 scales: tuple[Part, ...]):
-    """load(step): the codes (uint8 [rows, groups, 8]) and block scales (float32 [rows, groups]) of chunk
-    `step` of rows row0.. of each matrix, for matrices with `in_dim` inputs."""
+                 scales: tuple[Part, ...], fold: float):
+    """load(step): the codes (uint8 [rows, groups, 8]) and block scales (float32 [rows, groups], times `fold`)
+    of chunk `step` of rows row0.. of each matrix, for matrices with `in_dim` inputs."""
     groups = chunk // _BYTES_PER_GROUP
 
     def load(step):
         offs = _block_offsets(row0, rows, in_dim // 2, step * chunk, groups)
         soffs = _scale_offsets(row0, rows, in_dim // NVFP4_GROUP, step * groups, groups)
-        return (tuple(_codes(w, c, e, offs) for c in codes), tuple(_scales(w, c, e, soffs) for c in scales))
+        return (tuple(_codes(w, c, e, offs) for c in codes),
+                tuple(_scales(w, c, e, soffs, fold) for c in scales))
 
     return load
 
@@ -392,7 +401,7 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
     row0 = pl.program_id(1) * rows
     dt = act_ref.dtype
     load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
-                        (place.gate_scale, place.up_scale))
+                        (place.gate_scale, place.up_scale), _fold(t))
     dot = _products(t, interpret)
 
     for r in range(n_tok):
@@ -421,7 +430,7 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
     groups = chunk // _BYTES_PER_GROUP
     half_i = place.inter // 2
     row0 = pl.program_id(1) * rows
-    load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,))
+    load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,), _fold(t))
     dot = _products(t, interpret)
 
     for r in range(n_tok):
@@ -469,12 +478,6 @@ def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
         interpret=interpret, name="nvfp4_down",
     )(flat, act, *operands)
     return y.reshape(n_tok, k, place.hidden)
-
-
-def on_gpu() -> bool:
-    """Whether programs traced now compile for a GPU, where the kernels run compiled (elsewhere the jnp twin is
-    the path; the kernels run there only in interpret mode, for tests)."""
-    return jax.default_backend() == "gpu"
 
 
 def takes(x: Array) -> bool:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
+from ..kernels import gdn_decode
 from .base import Array, acc_dtype, linear, pytree_dataclass, silu, up
 from .norms import l2norm, rms_norm_gated
 
@@ -165,13 +166,10 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     a = linear(x, p.in_proj_a)
 
     if kernel and t == 1:
-        from ..kernels import gdn_decode
-        from ..kernels.nvfp4_experts import on_gpu
-
-        live = jnp.reshape(jnp.asarray(1 if n_valid is None else n_valid, jnp.int32) > 0, (1,)).astype(jnp.int32)
+        live = (jnp.asarray(1 if n_valid is None else n_valid) > 0).astype(jnp.int32).reshape(1)
         o, conv_state, recurrent = gdn_decode.recurrent_step(
             cfg, qkv_raw, z[0], b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, p.norm,
-            state.conv.astype(x.dtype), state.recurrent, interpret=not on_gpu())
+            state.conv.astype(x.dtype), state.recurrent)
         return linear(o.reshape(1, hv * dv), p.out_proj), GDNState(conv=conv_state, recurrent=recurrent)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)

@@ -237,10 +237,10 @@ def experts_kernel(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     return nvfp4_experts.routed_experts(place, operands, x, idx, w)
 
 
-def kernel_applies(e: Experts, x: Array, idx: Array) -> bool:
-    """Whether "auto" takes the kernel: NVFP4 experts, bf16/f32 tokens, decode-sized, compiling for a GPU."""
-    return (nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x)
-            and idx.size <= jax.tree.leaves(e.gate)[0].shape[0])
+def kernel_applies(e: Experts, x: Array) -> bool:
+    """Whether "auto" takes the kernel where it would gather: NVFP4 experts, bf16/f32 decode-sized tokens,
+    compiling for a GPU."""
+    return nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x)
 
 
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel}
@@ -275,10 +275,8 @@ class ResidentExperts:
                              "pass the engine's expert source")
         impl = self.impl
         if impl == "auto":
-            if kernel_applies(p.experts, x, ids):
-                impl = "kernel"
-            else:
-                impl = "gather" if ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0] else "tiled"
+            gathers = ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0]
+            impl = ("kernel" if kernel_applies(p.experts, x) else "gather") if gathers else "tiled"
         if impl not in EXPERT_PATHS:
             raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
         return EXPERT_PATHS[impl](p.experts, x, ids, w), self
