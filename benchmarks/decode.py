@@ -118,6 +118,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     import numpy as np
 
     import trace_parts
+    from jaxflash.engine.runner import Want
 
     sched = engine.scheduler
     runner = sched.runner
@@ -173,7 +174,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     runner.free()  # its KV and expert caches: the next configuration needs the memory
 
     tr = None
-    hlo = runner.program_text("decode")
+    hlo = runner.program_text("decode", Want(), rows=next(b for b in sched.buckets if b >= len(prompts)))
     if args.keep_trace:  # the raw material, for a second look at the split
         import glob
         import gzip
@@ -193,6 +194,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
             log(f"  trace not summarised: {type(e).__name__}: {e}")
     batch = len(prompts)
     run = {"config": name, "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "batch": batch,
+           "max_batch": engine.plan.max_batch,
            "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s, "late_step_ms": late_s * 1e3,
            "dispatch_ms_median": statistics.median(dispatch[first:]) * 1e3,
            "dispatch_ms_max": max(dispatch[first:]) * 1e3, "steps_timed": len(steady) - 1}
@@ -238,9 +240,12 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
     ap.add_argument("--kernel", default="auto",
                     help="comma-separated: auto (decode experts by the NVFP4 kernels on a GPU), off (the jnp path)")
-    ap.add_argument("--gdn-kernel", default="off",
-                    help="comma-separated: off (the GDN decode step in XLA), on (its recurrent part in "
-                         "jaxflash.kernels.gdn_decode)")
+    ap.add_argument("--gdn-kernel", default="auto",
+                    help="comma-separated: auto (the engine's default: the GDN decode kernel, "
+                         "jaxflash.kernels.gdn_decode, on a GPU), on, off (XLA's form)")
+    ap.add_argument("--max-batch", default="",
+                    help="comma-separated engine max_batch values (default: the batch); one larger than the batch "
+                         "measures a lone request in a larger engine, which decodes in the smallest bucket holding it")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
@@ -276,6 +281,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     modes, batches = args.modes.split(","), [int(b) for b in args.batch.split(",")]
     routings = args.routing.split(",")
+    max_batches = [int(b) for b in args.max_batch.split(",") if b] or [0]
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
            "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
@@ -301,7 +307,7 @@ def main(argv=None) -> int:
         for shard in table_np.shards:
             f.write(np.ascontiguousarray(shard).tobytes())
     table = ffi.NgramTable([(path, 0, table_np.rows)], head_dim=table_np.dim, dtype=table_np.dtype,
-                           heads=cfg.num_ngram_heads, max_tokens=max(args.prefill_chunk, max(batches)))
+                           heads=cfg.num_ngram_heads, max_tokens=max(args.prefill_chunk, max(batches), max(max_batches)))
     ngram = (table, table_np.scale)
     mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
     rng = np.random.default_rng(1)
@@ -313,18 +319,23 @@ def main(argv=None) -> int:
     if not set(kernels) <= {"auto", "off"}:
         ap.error(f"--kernel takes auto and/or off, got {args.kernel!r}")
     gdn_kernels = args.gdn_kernel.split(",")
-    if not set(gdn_kernels) <= {"off", "on"}:
-        ap.error(f"--gdn-kernel takes off and/or on, got {args.gdn_kernel!r}")
-    for mode, batch, routing, kern, gdn_k in itertools.product(modes, batches, routings, kernels, gdn_kernels):
+    if not set(gdn_kernels) <= {"auto", "off", "on"}:
+        ap.error(f"--gdn-kernel takes auto, off and/or on, got {args.gdn_kernel!r}")
+    for mode, batch, routing, kern, gdn_k, want_mb in itertools.product(modes, batches, routings, kernels, gdn_kernels,
+                                                                    max_batches):
         free, note = planner.device_free_bytes(dev)
-        plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=batch,
+        max_batch = max(batch, want_mb)
+        plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,
                             budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                             max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
-        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "") + ("-gdnk" if gdn_k == "on" else "")
-        if args.only and name not in args.only.split(","):
+        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
+        name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k]
+        name += f"-mb{max_batch}" if max_batch != batch else ""
+        if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
-        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False, gdn_k == "on"))
+        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False,
+                        {"auto": None, "on": True, "off": False}[gdn_k]))
     device_params = None
     if "device" in modes:
         layers = []

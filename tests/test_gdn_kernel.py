@@ -5,7 +5,10 @@ On the CPU the kernel runs in Pallas interpret mode. Inputs: random weights and 
 padding row (whose states must stay exactly as they were), key heads shared by 2 and 3 value heads, both
 output gates. Tolerances, relative to the largest value: float32 1e-5 (the kernel sums S^T k and S^T q in
 another order than XLA's einsum; measured 2e-7); bfloat16 outputs 8e-3 (two bf16 ulps, should a sum land on
-the other side of a rounding; measured 0), the float32 states 1e-5.
+the other side of a rounding; measured 0), the float32 states 1e-5. Compiled on a GPU, XLA keeps the twin's
+bfloat16 intermediates (the conv output, SiLU) in float32 where it fuses them (its default
+xla_allow_excess_precision) while the kernel rounds them as the model does, so there the bfloat16 case's
+states may differ by the effect of one bf16 rounding of q, k, v: 4e-3 (measured 4e-4 on the H200).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 import jaxflash
 from jaxflash import presets, synthetic
 from jaxflash.config import FULL_ATTENTION
-from jaxflash.kernels import gdn_decode
+from jaxflash.kernels import gdn_decode, on_gpu
 from jaxflash.model import gated_deltanet as gdn
 
 
@@ -40,8 +43,12 @@ def random_layer(rng, cfg, dt):
 
 
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,gate", [((2, 4), "sigmoid"), ((2, 6), "sigmoid"), ((2, 4), "silu")])
-def test_decode_step_matches_twin(dt, heads, gate):
+@pytest.mark.parametrize("heads,gate,block_v", [((2, 4), "sigmoid", 32), ((2, 6), "sigmoid", 4),
+                                                 ((2, 4), "silu", 8)])
+def test_decode_step_matches_twin(dt, heads, gate, block_v, monkeypatch):
+    """block_v 32 is clipped to the tiny dv of 16 (one program per head); 4 and 8 split a head's columns."""
+    real = gdn_decode.recurrent_step
+    monkeypatch.setattr(gdn_decode, "recurrent_step", lambda *a, **k: real(*a, **k, block_v=block_v))
     hk, hv = heads
     cfg = presets.preset("tiny").replace(linear_num_key_heads=hk, linear_num_value_heads=hv, output_gate_type=gate)
     rng = np.random.default_rng(hv * 10 + (gate == "silu"))
@@ -59,7 +66,8 @@ def test_decode_step_matches_twin(dt, heads, gate):
     (y0, s0), (y1, s1) = run(False), run(True)
     assert y1.shape == y0.shape and y1.dtype == y0.dtype
     assert rel_err(y1, y0) < (1e-5 if dt == jnp.float32 else 8e-3)
-    assert rel_err(s1.recurrent, s0.recurrent) < 1e-5
+    excess_precision = dt == jnp.bfloat16 and on_gpu()
+    assert rel_err(s1.recurrent, s0.recurrent) < (4e-3 if excess_precision else 1e-5)
     np.testing.assert_array_equal(np.asarray(s1.conv, np.float32), np.asarray(s0.conv, np.float32))
     np.testing.assert_array_equal(np.asarray(s1.recurrent[1]), np.asarray(st.recurrent[1]))  # padding: unchanged
     np.testing.assert_array_equal(np.asarray(s1.conv[1], np.float32), np.asarray(st.conv[1], np.float32))
@@ -70,6 +78,11 @@ def test_takes():
     assert gdn_decode.takes(cfg, jnp.bfloat16) and gdn_decode.takes(cfg, jnp.float32)
     assert not gdn_decode.takes(cfg, jnp.float16)
     assert not gdn_decode.takes(cfg.replace(linear_key_head_dim=24), jnp.float32)
+    with pytest.raises(ValueError, match="block_v"):
+        c = cfg.linear_conv_dim
+        gdn_decode.recurrent_step(cfg, jnp.zeros((1, c)), jnp.zeros(4), jnp.zeros(4), jnp.ones(1, jnp.int32),
+                                  jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4), jnp.zeros((3, c)),
+                                  jnp.zeros((4, 16, 16)), block_v=6)
     assert gdn_decode.takes(presets.preset("full"), jnp.bfloat16)
 
 
@@ -80,6 +93,11 @@ def tiny_dir(tmp_path_factory):
     return str(out)
 
 
+def test_default_is_the_kernel_on_a_gpu_only(tiny_dir):
+    kw = dict(max_batch=1, max_seq_len=32, prefill_chunk=16, progress=False)
+    assert jaxflash.load(tiny_dir, **kw).gdn_kernel == on_gpu()
+
+
 def test_engine_decode_with_the_kernel_equals_xla(tiny_dir, monkeypatch):
     """Decoding with the kernel gives the XLA path's tokens and, every decode step, its logits to float32
     noise (1e-5 of the largest logit)."""
@@ -88,7 +106,7 @@ def test_engine_decode_with_the_kernel_equals_xla(tiny_dir, monkeypatch):
     monkeypatch.setattr(gdn_decode, "recurrent_step", lambda *a, **k: traced.append(1) or real(*a, **k))
     kw = dict(max_batch=2, max_seq_len=64, prefill_chunk=16, progress=False)
     on = jaxflash.load(tiny_dir, gdn_kernel=True, **kw)
-    off = jaxflash.load(tiny_dir, **kw)
+    off = jaxflash.load(tiny_dir, gdn_kernel=False, **kw)
     cfg = on.config
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 11)]
     toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
@@ -96,6 +114,6 @@ def test_engine_decode_with_the_kernel_equals_xla(tiny_dir, monkeypatch):
     assert len(traced) >= gdn_layers  # the decode program's GDN layers went through the kernel
     n = len(traced)
     toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
-    assert len(traced) == n  # and the default engine never calls it
+    assert len(traced) == n  # and gdn_kernel=False never calls it
     assert toks_on == toks_off
     assert rel_err(logits_on, logits_off) < 1e-5

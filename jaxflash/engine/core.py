@@ -24,7 +24,7 @@ import numpy as np
 from .. import ffi
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..kernels import gdn_decode
+from ..kernels import gdn_decode, on_gpu
 from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model import transformer
@@ -53,20 +53,22 @@ class Engine:
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp: bool | None = None,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
-                 gdn_kernel: bool = False):
+                 gdn_kernel: bool | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
         expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics).
-        gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (default off: it has
-        not been measured on a GPU yet; on the CPU it runs in interpret mode)."""
+        gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
+        model it takes; True elsewhere runs it in interpret mode)."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
         self.expert_kernel = expert_kernel
         if gdn_kernel and not gdn_decode.takes(config, params.dtype):
             raise ValueError("gdn_kernel=True: the GDN decode kernel takes bfloat16 or float32 models with "
                              "power-of-two head sizes")
+        if gdn_kernel is None:
+            gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
         if mtp and params.mtp is None:
             raise ValueError("mtp=True: this checkpoint has no MTP head")
@@ -283,7 +285,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
          progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
-         expert_kernel: bool | None = None, gdn_kernel: bool = False) -> Engine:
+         expert_kernel: bool | None = None, gdn_kernel: bool | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -299,8 +301,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
     elsewhere runs them in interpret mode, False keeps the jnp path everywhere). gdn_kernel: decode steps run
-    the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode; default off until measured on a
-    GPU).
+    the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode; default: on a GPU where it
+    applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps XLA's form).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.

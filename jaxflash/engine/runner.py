@@ -86,8 +86,8 @@ class Setup:
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
     expert_kernel: bool | None = None  # decode's resident experts by the NVFP4 kernels (None: where they apply;
     # host residency: host.kernel says the same for the cache slots)
-    gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (off by default until
-    # it is measured on a GPU; elsewhere it runs in interpret mode, for tests)
+    gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (the Engine turns it on
+    # on a GPU; elsewhere it runs in interpret mode, for tests)
 
 
 class RoutingSource:

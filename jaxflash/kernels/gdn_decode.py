@@ -1,19 +1,23 @@
 """The recurrent part of a Gated DeltaNet decode step in one kernel per layer (Pallas; Triton backend on a GPU).
 
-After the input projections (qkv, z, b, a: XLA matrix-vector products), one program per value head h does
-what jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen small kernels:
-  * the causal depthwise conv over [conv state; the new row] of the head's columns (q and k of key head
-    h // (Hv/Hk), v of head h), SiLU, and the conv state's shift by one row (a key head's columns are written
-    by the first value head of its group only);
+After the input projections (qkv, z, b, a: XLA matrix-vector products), program (h, c) of a grid of
+value heads x column blocks does, for value head h and its value columns [c BV, (c+1) BV), what
+jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen small kernels:
+  * the causal depthwise conv over [conv state; the new row] of the columns it reads (all of q and k of key
+    head h // (Hv/Hk), its block of v), SiLU, and the conv state's shift by one row (key-head columns are
+    written by one program of their group, v columns by their own);
   * beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias), both 0 for a padding token, whose
     state then stays as it was;
-  * the l2norm of q (times dk^-1/2) and of k, and the delta rule on the float32 state S [dk, dv], updated in
-    place (the state buffers are aliased in and out):
-        S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q;
-  * the gated RMSNorm of o with z.
-It rounds where the model rounds (the conv output and SiLU to the compute dtype, o before the norm). Its
-pure-jnp twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the
-tests run this kernel in interpret mode).
+  * the l2norm of q (times dk^-1/2) and of k, and the delta rule on its [dk, BV] block of the float32 state
+    S [dk, dv], updated in place (the state buffer is aliased in and out; blocks are disjoint):
+        S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q.
+The column blocks keep a program's share of the state small (dk x BV floats: registers, not spills) and give
+the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel. The conv
+state is a fresh output, not aliased: programs of one key head's group read that head's conv rows while one
+of them writes the shifted rows, which in place would race.
+It rounds where the model rounds (the conv output and SiLU to the compute dtype, o at the end). Its pure-jnp
+twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the tests run
+this kernel in interpret mode).
 """
 
 from __future__ import annotations
@@ -38,42 +42,40 @@ def takes(cfg: ModelConfig, dtype) -> bool:
     return jnp.dtype(dtype) in DTYPES and pow2
 
 
-def _kernel(qkv_ref, z_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, norm_ref, conv_ref, rec_ref,
-            o_ref, conv_out_ref, rec_out_ref, *, hk: int, hv: int, dk: int, dv: int, width: int, eps: float,
-            gate: str):
+def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref,
+            o_ref, conv_out_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int):
     f32 = jnp.float32
     dt = o_ref.dtype
-    h = pl.program_id(0)
+    h, c = pl.program_id(0), pl.program_id(1)
     group = hv // hk
     j = h // group  # the key head this value head reads
     live = live_ref[0] > 0
     kd = hk * dk
 
-    def conv(cols):
-        """SiLU(conv) of columns `cols`, rounded as the model rounds, and the rows [state; new] it read."""
+    def conv(start, n):
+        """SiLU(conv) of columns [start, start + n), rounded as the model rounds, and the rows [state; new]."""
+        cols = pl.ds(start, n)
         rows = [conv_ref[r, cols] for r in range(width - 1)] + [qkv_ref[0, cols]]
         acc = rows[0].astype(f32) * w_ref[cols, 0].astype(f32)
         for r in range(1, width):
             acc = acc + rows[r].astype(f32) * w_ref[cols, r].astype(f32)
-        c = acc.astype(dt).astype(f32)
-        return (c * jax.nn.sigmoid(c)).astype(dt), rows
+        y = acc.astype(dt).astype(f32)
+        return (y * jax.nn.sigmoid(y)).astype(dt), rows
 
-    def shift(cols, rows):  # the new conv state: the last width-1 rows (a padding token keeps the old ones)
+    def shift(start, n, rows):  # the new conv state: the last width-1 rows (a padding token keeps the old ones)
         for r in range(width - 1):
-            conv_out_ref[r, cols] = jnp.where(live, rows[r + 1], rows[r])
+            conv_out_ref[r, pl.ds(start, n)] = jnp.where(live, rows[r + 1], rows[r])
 
-    q_cols = j * dk + jnp.arange(dk, dtype=jnp.int32)
-    k_cols = kd + q_cols
-    v_cols = 2 * kd + h * dv + jnp.arange(dv, dtype=jnp.int32)
-    q, q_rows = conv(q_cols)
-    k, k_rows = conv(k_cols)
-    v, v_rows = conv(v_cols)
-    shift(v_cols, v_rows)
+    v_start = 2 * kd + h * (bv * pl.num_programs(1)) + c * bv
+    q, q_rows = conv(j * dk, dk)
+    k, k_rows = conv(kd + j * dk, dk)
+    v, v_rows = conv(v_start, bv)
+    shift(v_start, bv, v_rows)
 
-    @pl.when(h % group == 0)
+    @pl.when(jnp.logical_and(h % group == 0, c == 0))
     def _():
-        shift(q_cols, q_rows)
-        shift(k_cols, k_rows)
+        shift(j * dk, dk, q_rows)
+        shift(kd + j * dk, dk, k_rows)
 
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     qf = qf * jax.lax.rsqrt(jnp.sum(qf * qf) + _L2_EPS) * (dk ** -0.5)
@@ -83,18 +85,12 @@ def _kernel(qkv_ref, z_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_re
     beta = jnp.where(live, beta, 0.0)
     g = jnp.where(live, g, 0.0)
 
-    s = rec_ref[h] * jnp.exp(g)  # [dk, dv]
-    kv = jnp.sum(s * kf[:, None], axis=0)  # S^T k
+    cols = pl.ds(c * bv, bv)
+    s = rec_ref[h, :, cols] * jnp.exp(g)  # [dk, BV]
+    kv = jnp.sum(s * kf[:, None], axis=0)  # (S^T k) of these columns
     s = s + kf[:, None] * ((vf - kv) * beta)[None, :]
-    o = jnp.sum(s * qf[:, None], axis=0)  # S^T q
-    rec_out_ref[h] = s
-
-    of = o.astype(dt).astype(f32)  # the gated RMSNorm (jaxflash.model.norms.rms_norm_gated)
-    y = (of * jax.lax.rsqrt(jnp.mean(of * of) + eps)).astype(dt)
-    y = (norm_ref[...].astype(dt) * y).astype(f32)
-    zf = z_ref[h].astype(f32)
-    act = jax.nn.sigmoid(zf) if gate == "sigmoid" else zf * jax.nn.sigmoid(zf)
-    o_ref[h] = (y * act).astype(dt)
+    rec_out_ref[h, :, cols] = s
+    o_ref[h, cols] = jnp.sum(s * qf[:, None], axis=0).astype(dt)  # (S^T q)
 
 
 def _compiler_params(warps: int):
@@ -103,31 +99,34 @@ def _compiler_params(warps: int):
     return plgpu.CompilerParams(num_warps=warps, num_stages=1)
 
 
-def recurrent_step(cfg: ModelConfig, qkv_raw: Array, z: Array, b: Array, a: Array, live: Array, conv_w: Array,
-                   dt_bias: Array, a_log: Array, norm: Array, conv_state: Array, recurrent: Array, *,
-                   interpret: bool | None = None, warps: int = 4):
-    """One token of one sequence: qkv_raw [1, C], z [Hv, dv], b and a [Hv], live [1] int32 (0: a padding token),
-    the layer's conv1d [C, K], dt_bias and A_log [Hv], norm [dv], conv_state [K-1, C], recurrent [Hv, dk, dv]
-    float32 -> (o [Hv, dv] normed and gated, the new conv state, the new recurrent state). Batches: jax.vmap.
-    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
-    return _recurrent_step(cfg, qkv_raw, z, b, a, live, conv_w, dt_bias, a_log, norm, conv_state, recurrent,
-                           interpret=not on_gpu() if interpret is None else interpret, warps=warps)
+def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: Array, conv_w: Array,
+                   dt_bias: Array, a_log: Array, conv_state: Array, recurrent: Array, *,
+                   interpret: bool | None = None, warps: int = 4, block_v: int = 32):
+    """One token of one sequence: qkv_raw [1, C], b and a [Hv], live [1] int32 (0: a padding token), the
+    layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [K-1, C], recurrent [Hv, dk, dv] float32 ->
+    (o [Hv, dv] before the gated norm, the new conv state, the new recurrent state). Batches: jax.vmap.
+    interpret: run in Pallas interpret mode (default: on anything but a GPU); block_v: value columns per program
+    (clipped to dv)."""
+    return _recurrent_step(cfg, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
+                           interpret=not on_gpu() if interpret is None else interpret, warps=warps,
+                           block_v=min(block_v, cfg.linear_value_head_dim))
 
 
-@partial(jax.jit, static_argnames=("cfg", "interpret", "warps"))
-def _recurrent_step(cfg: ModelConfig, qkv_raw, z, b, a, live, conv_w, dt_bias, a_log, norm, conv_state, recurrent,
-                    *, interpret: bool, warps: int):
+@partial(jax.jit, static_argnames=("cfg", "interpret", "warps", "block_v"))
+def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
+                    *, interpret: bool, warps: int, block_v: int):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    dt = qkv_raw.dtype
-    kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, dv=dv, width=cfg.linear_conv_kernel_dim,
-                     eps=cfg.rms_norm_eps, gate=cfg.output_gate_type)
+    if dv % block_v:
+        raise ValueError(f"block_v {block_v} does not divide the value head dim {dv}")
+    kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, bv=block_v, width=cfg.linear_conv_kernel_dim)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((hv, dv), dt), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        out_shape=(jax.ShapeDtypeStruct((hv, dv), qkv_raw.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
-        grid=(hv,),
-        input_output_aliases={9: 1, 10: 2},
+        grid=(hv, dv // block_v),
+        input_output_aliases={8: 2},
         compiler_params=None if interpret else _compiler_params(warps),
         interpret=interpret, name="gdn_decode",
-    )(qkv_raw, z, b, a, live, conv_w, dt_bias, a_log, norm, conv_state, recurrent)
+    )(qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent)

@@ -168,8 +168,9 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     if kernel and t == 1:
         live = (jnp.asarray(1 if n_valid is None else n_valid) > 0).astype(jnp.int32).reshape(1)
         o, conv_state, recurrent = gdn_decode.recurrent_step(
-            cfg, qkv_raw, z[0], b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, p.norm,
-            state.conv.astype(x.dtype), state.recurrent)
+            cfg, qkv_raw, b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, state.conv.astype(x.dtype),
+            state.recurrent)
+        o = rms_norm_gated(o[None], z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
         return linear(o.reshape(1, hv * dv), p.out_proj), GDNState(conv=conv_state, recurrent=recurrent)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
