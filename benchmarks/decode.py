@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gdn-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the GDN decode kernel, "
                          "jaxflash.kernels.gdn_decode, on a GPU), on, off (XLA's form)")
+    ap.add_argument("--hc-kernel", default="off",
+                    help="comma-separated: off (the engine's default), on: the hyper-connection mix kernels "
+                         "(jaxflash.kernels.hc_mix)")
     ap.add_argument("--max-batch", default="",
                     help="comma-separated engine max_batch values (default: the batch); one larger than the batch "
                          "measures a lone request in a larger engine, which decodes in the smallest bucket holding it")
@@ -321,8 +324,11 @@ def main(argv=None) -> int:
     gdn_kernels = args.gdn_kernel.split(",")
     if not set(gdn_kernels) <= {"auto", "off", "on"}:
         ap.error(f"--gdn-kernel takes auto, off and/or on, got {args.gdn_kernel!r}")
-    for mode, batch, routing, kern, gdn_k, want_mb in itertools.product(modes, batches, routings, kernels, gdn_kernels,
-                                                                    max_batches):
+    hc_kernels = args.hc_kernel.split(",")
+    if not set(hc_kernels) <= {"off", "on"}:
+        ap.error(f"--hc-kernel takes off and/or on, got {args.hc_kernel!r}")
+    for mode, batch, routing, kern, gdn_k, hc_k, want_mb in itertools.product(
+            modes, batches, routings, kernels, gdn_kernels, hc_kernels, max_batches):
         free, note = planner.device_free_bytes(dev)
         max_batch = max(batch, want_mb)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,
@@ -330,12 +336,12 @@ def main(argv=None) -> int:
                             max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
         name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
-        name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k]
+        name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + ("-hck" if hc_k == "on" else "")
         name += f"-mb{max_batch}" if max_batch != batch else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
         configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False,
-                        {"auto": None, "on": True, "off": False}[gdn_k]))
+                        {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on"))
     device_params = None
     if "device" in modes:
         layers = []
@@ -346,7 +352,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(device_params)
 
     engines = []
-    for name, mode, batch, routing, plan, expert_kernel, gdn_kernel in configs:
+    for name, mode, batch, routing, plan, expert_kernel, gdn_kernel, hc_kernel in configs:
         feed = None
         if routing == "calibrated":
             from routing import RoutingModel
@@ -358,7 +364,8 @@ def main(argv=None) -> int:
             feed = StreamRouting(ids)
         host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
-                     ngram=ngram, routing=feed, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel)
+                     ngram=ngram, routing=feed, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
+                     hc_kernel=hc_kernel)
         for n in plan.notes:
             log(f"  {name}: plan: {n}")
         engines.append((name, eng))
@@ -377,7 +384,7 @@ def main(argv=None) -> int:
     if gbps:
         log(f"zero-copy gather alone: {gbps:.1f} GB/s (186 random records)")
     res["gather_gbps"] = gbps
-    for (name, eng), (_, mode, batch, routing, plan, _kern, _gdn) in zip(engines, configs):
+    for (name, eng), (_, mode, batch, routing, plan, *_kernels) in zip(engines, configs):
         prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(batch)]
         trace_dir = os.path.join(traces, name)
         run = run_config(name, eng, prompts, args, trace_dir, gbps, layout)

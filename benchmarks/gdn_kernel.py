@@ -21,65 +21,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import trace_parts  # noqa: E402
-
-COPY_CEILING = 4.2e12
-
-
-def log(msg=""):
-    print(msg, flush=True)
-
-
-def trace_kernels(fn, args, reps: int) -> tuple[float, int]:
-    """(summed GPU kernel time in us, kernel count) per call of fn(*args), from a profiler trace of `reps` calls."""
-    import jax
-
-    d = tempfile.mkdtemp(prefix="gdn_trace_")
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    ks = trace_parts.gpu_kernels(d)
-    return sum(float(e["dur"]) for e in ks) / reps, len(ks) // reps
-
-
-class Stepper:
-    """A jitted fn(state, *rest) -> (out, new state) that donates its state: each call feeds the previous call's
-    state back (the engine's decode steps do the same), so in-place updates need no copy."""
-
-    def __init__(self, fn, state, *rest):
-        self.fn, self.state, self.rest = fn, state, rest
-
-    def __call__(self):
-        out, self.state = self.fn(self.state, *self.rest)
-        return out, self.state
-
-
-def rel_err(a, b) -> float:
-    import jax
-    import numpy as np
-
-    a = np.concatenate([np.asarray(t, np.float64).ravel() for t in jax.tree.leaves(a)])
-    b = np.concatenate([np.asarray(t, np.float64).ravel() for t in jax.tree.leaves(b)])
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def wall_us(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / reps * 1e6
+from kernel_timing import COPY_CEILING, log, Stepper, rel_err, trace_kernels, wall_us  # noqa: E402
 
 
 def main(argv=None) -> int:

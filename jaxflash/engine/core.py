@@ -53,14 +53,15 @@ class Engine:
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp: bool | None = None,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
-                 gdn_kernel: bool | None = None):
+                 gdn_kernel: bool | None = None, hc_kernel: bool = False):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
         expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics).
         gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
-        model it takes; True elsewhere runs it in interpret mode)."""
+        model it takes; True elsewhere runs it in interpret mode). hc_kernel: run the decode steps'
+        hyper-connection mixes in jaxflash.kernels.hc_mix (default off: not measured on a GPU yet)."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
         self.expert_kernel = expert_kernel
@@ -70,6 +71,7 @@ class Engine:
         if gdn_kernel is None:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
+        self.hc_kernel = hc_kernel
         if mtp and params.mtp is None:
             raise ValueError("mtp=True: this checkpoint has no MTP head")
         self.mtp = params.mtp is not None if mtp is None else mtp
@@ -184,7 +186,7 @@ class Engine:
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
-                                self.expert_kernel, self.gdn_kernel)
+                                self.expert_kernel, self.gdn_kernel, self.hc_kernel)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -285,7 +287,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
          progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
-         expert_kernel: bool | None = None, gdn_kernel: bool | None = None) -> Engine:
+         expert_kernel: bool | None = None, gdn_kernel: bool | None = None, hc_kernel: bool = False) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -302,7 +304,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
     elsewhere runs them in interpret mode, False keeps the jnp path everywhere). gdn_kernel: decode steps run
     the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode; default: on a GPU where it
-    applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps XLA's form).
+    applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps XLA's form). hc_kernel:
+    decode steps run the hyper-connection mixes in two kernels each (jaxflash.kernels.hc_mix; default off until
+    measured on a GPU).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -354,4 +358,4 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
         host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp,
-                  routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel)
+                  routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel, hc_kernel=hc_kernel)

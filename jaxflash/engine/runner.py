@@ -88,6 +88,8 @@ class Setup:
     # host residency: host.kernel says the same for the cache slots)
     gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (the Engine turns it on
     # on a GPU; elsewhere it runs in interpret mode, for tests)
+    hc_kernel: bool = False  # decode's hyper-connection mixes by jaxflash.kernels.hc_mix (off by default until it
+    # is measured on a GPU; elsewhere it runs in interpret mode, for tests)
 
 
 class RoutingSource:
@@ -209,8 +211,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     experts = st.experts if setup.host is not None else ResidentExperts(
         {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
     h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
-                                           setup.gdn_kernel)
-    logits = final_logits(params, cfg, h[:, 0])
+                                           setup.gdn_kernel, setup.hc_kernel)
+    logits = final_logits(params, cfg, h[:, 0], setup.hc_kernel)
     with jax.named_scope("sampling"):
         lengths = st.seqs.lengths + n_new
         tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from ..kernels import hc_mix
 from .base import Array, pytree_dataclass, silu, up
 from .norms import rms_norm
 
@@ -29,8 +31,14 @@ def _f32_linear(x: Array, w: Array) -> Array:
     return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=lax.Precision.HIGHEST)
 
 
-def mix(p: HyperConnection, h: Array, streams: int, eps: float) -> tuple[Array, Array | None]:
-    """Block input x [T, H] (float32) and injection weights [T, S] (None for the final mixer)."""
+def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = False) -> tuple[Array, Array | None]:
+    """Block input x [..., H] (float32) and injection weights [..., S] (None for the final mixer) of h [..., W].
+    kernel: a few rows (a decode step) run in jaxflash.kernels.hc_mix (compiled on a GPU, interpreted
+    elsewhere); this function's own code is that kernel's twin."""
+    lead, rows = h.shape[:-1], int(np.prod(h.shape[:-1]))
+    if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
+        x, inj = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps)
+        return x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
     hidden = h.shape[-1] // streams
     xn = rms_norm(up(h), p.norm, eps, group=hidden)
     a = silu(_f32_linear(xn, p.down) / streams)

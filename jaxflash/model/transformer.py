@@ -76,13 +76,14 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
                   state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None,
-                  gdn_kernel: bool = False):
+                  gdn_kernel: bool = False, hc_kernel: bool = False):
     """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
     ple_rows [B, T, 16, d]: the n-gram rows of the new tokens (PLE layer only).
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
-    gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`).
+    gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`); hc_kernel:
+    the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`).
     Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
     The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
     as it was.
@@ -101,7 +102,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     is_attention = isinstance(layer.mixer, Attention)
     with jax.named_scope("attention" if is_attention else "gdn"):
         with jax.named_scope("hyper_connection"):
-            x, inj = hc.mix(layer.attn_hc, h, s, eps)
+            x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel)
         x = x.astype(dt)
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
@@ -113,7 +114,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
     with jax.named_scope("moe"):
         with jax.named_scope("hyper_connection"):
-            x, inj = hc.mix(layer.mlp_hc, h, s, eps)
+            x, inj = hc.mix(layer.mlp_hc, h, s, eps, hc_kernel)
         y, experts, routing = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), experts, index,
                                   batch.valid.reshape(-1), expert_ids)
         with jax.named_scope("hyper_connection"):
@@ -122,18 +123,20 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
 
 def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
-                   ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False):
+                   ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False,
+                   hc_kernel: bool = False):
     """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
     states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
-    routers'); gdn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the updated states,
-    the updated expert source, a Routing per layer)."""
+    routers'); gdn_kernel, hc_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the
+    updated states, the updated expert source, a Routing per layer)."""
     h = embed(params, cfg, tokens)
     new_states, routings = [], []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
                                               ple_rows if layer.ple is not None else None,
-                                              None if expert_ids is None else expert_ids[i], gdn_kernel)
+                                              None if expert_ids is None else expert_ids[i], gdn_kernel,
+                                              hc_kernel)
         new_states.append(st)
         routings.append(r)
     return h, tuple(new_states), experts, tuple(routings)
@@ -154,10 +157,10 @@ def lm_logits(params: Params, x: Array) -> Array:
                       preferred_element_type=acc_dtype(x.dtype))
 
 
-def final_logits(params: Params, cfg: ModelConfig, h: Array) -> Array:
+def final_logits(params: Params, cfg: ModelConfig, h: Array, hc_kernel: bool = False) -> Array:
     """Logits [..., V] of the multi-stream state h [..., W]: the final stream mixer, then lm_head."""
     with jax.named_scope("lm_head"):
-        x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps)
+        x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps, hc_kernel)
         return lm_logits(params, x)
 
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""The hyper-connection mix kernels (jaxflash/kernels/hc_mix.py) against XLA's form of the same mix,
+full-size shapes.
+
+M mixes with their combines chained in one jitted program (h <- combine(h, inj, x) after mix m, as the decode
+step alternates them), each mix with its own weights (the decode step has 97: two per layer and the final
+mixer), over N rows (1: batch 1; 8: batch 8 or 2 verify steps of 4). Per mix it reports the summed GPU kernel
+time from a profiler trace, the kernels per mix, the weight bytes a mix must read (norm, down, up and inject,
+bf16) and the fraction of 4.2 TB/s; first the numerics of every variant against XLA's mix.
+
+    python3 benchmarks/hc_kernel.py --out $OUT                  # on the H200
+    python3 benchmarks/hc_kernel.py --preset tiny --mixes 2     # CPU smoke run (interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels, wall_us  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
+    ap.add_argument("--mixes", type=int, default=96, help="mixes (and combines) chained in one program")
+    ap.add_argument("--rows", default="1,8", help="comma-separated token row counts")
+    ap.add_argument("--variants", default="4:32:4,2:32:4,8:32:4,4:16:4,4:64:4,4:32:2,4:32:8",
+                    help="comma-separated kernel variants block_r:block_h:warps")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash import presets
+    from jaxflash.kernels import hc_mix, on_gpu
+    from jaxflash.model import hyper_connection as hc
+
+    cfg = presets.preset(args.preset)
+    s, r, eps = cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps
+    w = cfg.hidden_size * s
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind}, jax {jax.__version__}; {args.preset}: {args.mixes} mixes, {s} streams x "
+        f"{cfg.hidden_size}, rank {r}, bf16 weights, float32 residual")
+
+    def one(key):  # separate buffers per mix, as the engine holds them
+        k = jax.random.split(key, 4)
+        rnd = lambda kk, shape, sc: (jax.random.normal(kk, shape, jnp.float32) * sc).astype(jnp.bfloat16)  # noqa
+        return hc.HyperConnection(norm=rnd(k[0], (w,), 0.3), down=rnd(k[1], (r, w), 0.02),
+                                  up=rnd(k[2], (w, r), 0.1), inject=rnd(k[3], (s, w), 0.02))
+
+    keys = jax.random.split(jax.random.PRNGKey(0), args.mixes + 1)
+    mixes = [one(keys[i]) for i in range(args.mixes)]
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(mixes[0]))
+    variants = [tuple(int(n) for n in v.split(":")) for v in args.variants.split(",")]
+
+    def program(variant):
+        def run(ms, h):
+            for m in ms:
+                if variant is None:
+                    x, inj = hc.mix(m, h, s, eps)
+                else:
+                    br, bh, warps = variant
+                    x, inj = hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, block_r=br, block_h=bh,
+                                        warps=warps)
+                h = hc.combine(h, inj, x)
+            return h
+        return jax.jit(run)
+
+    res = {"device": str(dev.device_kind), "jax": jax.__version__, "python": platform.python_version(),
+           "preset": args.preset, "mixes": args.mixes, "weight_bytes_per_mix": weight_bytes, "runs": []}
+    for rows in [int(n) for n in args.rows.split(",")]:
+        h = jax.random.normal(keys[-1], (rows, w), jnp.float32)
+        ref = program(None)(mixes, h)
+        cases = [("xla", None)] + [(f"kernel-r{v[0]}-h{v[1]}-w{v[2]}", v) for v in variants]
+        for name, variant in cases:
+            fn = program(variant)
+            err = rel_err(fn(mixes, h), ref) if variant is not None else 0.0
+            wall = wall_us(fn, (mixes, h), args.reps) / args.mixes
+            run = {"rows": rows, "variant": name, "err_vs_xla": err, "wall_us_per_mix": wall,
+                   "floor_us": weight_bytes / COPY_CEILING * 1e6}
+            line = f"  {rows} row(s) {name:20s}: error vs XLA {err:.1e}, wall {wall:7.2f} us/mix"
+            if on_gpu():
+                kus, n = trace_kernels(fn, (mixes, h), max(2, args.reps // 4))
+                run.update(kernel_us_per_mix=kus / args.mixes, kernels_per_mix=n / args.mixes,
+                           fraction_of_hbm=weight_bytes / (kus / args.mixes * 1e-6) / COPY_CEILING)
+                line += (f", GPU {kus / args.mixes:6.2f} us/mix (with its combine) in {n / args.mixes:.1f} "
+                         f"kernels; {weight_bytes / 1e6:.2f} MB -> floor {run['floor_us']:.2f} us, "
+                         f"{run['fraction_of_hbm']:.1%} of 4.2 TB/s")
+            log(line)
+            res["runs"].append(run)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "hc_kernel.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

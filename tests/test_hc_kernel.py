@@ -1,0 +1,109 @@
+"""The hyper-connection mix kernels (jaxflash/kernels/hc_mix.py) against their twin, the model's
+hyper_connection.mix, and inside the engine's decode steps.
+
+On the CPU the kernels run in Pallas interpret mode. Inputs: random float32 residual rows at several scales,
+norm, bottleneck and injection weights in float32 and bfloat16, with and without injection weights (the final
+mixer), 1 to 8 rows. Tolerance, relative to the largest value: 1e-5 for x and inj. Everything is float32 in
+both; the kernels only sum in another order (measured 4e-8 to 8e-7, the full-size shapes included).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import presets, synthetic
+from jaxflash.kernels import hc_mix
+from jaxflash.model import hyper_connection as hc
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def random_hc(rng, cfg, dt, inject: bool):
+    w, r, s = cfg.hidden_size * cfg.hc_count, cfg.hc_lowrank, cfg.hc_count
+
+    def arr(*shape, scale):
+        return jnp.asarray(rng.normal(size=shape) * scale, dt)
+
+    return hc.HyperConnection(norm=arr(w, scale=0.3), down=arr(r, w, scale=0.05), up=arr(w, r, scale=0.2),
+                              inject=arr(s, w, scale=0.05) if inject else None)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("inject", [True, False])
+def test_mix_matches_twin(preset, dt, inject):
+    cfg = presets.preset(preset)
+    rng = np.random.default_rng(7)
+    p = random_hc(rng, cfg, dt, inject)
+    for shape, scale in (((1, 1), 3.0), ((3, 1), 1e-3), ((2, 4), 50.0)):  # 8 rows: the kernels' most
+        h = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size * cfg.hc_count)) * scale, jnp.float32)
+        x0, i0 = hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps)
+        x1, i1 = hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps, kernel=True)
+        assert x1.shape == x0.shape == (*shape, cfg.hidden_size) and x1.dtype == jnp.float32
+        assert rel_err(x1, x0) < 1e-5
+        if inject:
+            assert i1.shape == (*shape, cfg.hc_count) and rel_err(i1, i0) < 1e-5
+        else:
+            assert i1 is None and i0 is None
+
+
+def test_full_size_mix_matches_twin():
+    cfg = presets.preset("full")
+    rng = np.random.default_rng(8)
+    p = random_hc(rng, cfg, jnp.bfloat16, True)
+    h = jnp.asarray(rng.normal(size=(1, 1, cfg.hidden_size * cfg.hc_count)), jnp.float32)
+    (x0, i0), (x1, i1) = (hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps, kernel=k) for k in (False, True))
+    assert rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
+
+
+def test_takes_and_fallback(monkeypatch):
+    cfg = presets.preset("tiny")
+    w, r, s = cfg.hidden_size * cfg.hc_count, cfg.hc_lowrank, cfg.hc_count
+    assert hc_mix.takes(8, w, s, r) and not hc_mix.takes(9, w, s, r) and not hc_mix.takes(0, w, s, r)
+    assert not hc_mix.takes(1, 3 * 64, 3, r)  # streams not a power of two
+    assert not hc_mix.takes(1, w, s, 18)  # a rank the blocks do not tile
+    full = presets.preset("full")
+    assert hc_mix.takes(1, full.hidden_size * full.hc_count, full.hc_count, full.hc_lowrank)
+    with pytest.raises(ValueError, match="hc_mix takes"):
+        hc_mix.mix(jnp.zeros((9, w)), jnp.zeros(w), jnp.zeros((r, w)), jnp.zeros((w, r)), None, s, 1e-6)
+    # more rows than the kernels take (a prefill chunk): hc.mix keeps its own code
+    monkeypatch.setattr(hc_mix, "mix", lambda *a, **k: pytest.fail("the kernel ran for 16 rows"))
+    p = random_hc(np.random.default_rng(9), cfg, jnp.float32, True)
+    h = jnp.asarray(np.random.default_rng(10).normal(size=(2, 8, w)), jnp.float32)
+    x0, _ = hc.mix(p, h, s, cfg.rms_norm_eps)
+    x1, _ = hc.mix(p, h, s, cfg.rms_norm_eps, kernel=True)
+    np.testing.assert_array_equal(np.asarray(x1), np.asarray(x0))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hc_kernel")
+    synthetic.make_model("tiny", "bf16", seed=5, out=str(out), progress=False)
+    return str(out)
+
+
+def test_engine_decode_with_the_kernels_equals_xla(tiny_dir, monkeypatch):
+    """Decoding with the kernels gives the XLA path's tokens and, every decode step, its logits to float32
+    noise (1e-5 of the largest logit); the decode program's mixes (two per layer and the final one) went
+    through them."""
+    traced = []
+    real = hc_mix.mix
+    monkeypatch.setattr(hc_mix, "mix", lambda *a, **k: traced.append(1) or real(*a, **k))
+    kw = dict(max_batch=2, max_seq_len=64, prefill_chunk=16, progress=False)
+    on = jaxflash.load(tiny_dir, hc_kernel=True, **kw)
+    off = jaxflash.load(tiny_dir, **kw)
+    cfg = on.config
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, cfg.vocab_size, 9)]
+    toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
+    assert len(traced) >= 2 * cfg.num_hidden_layers + 1
+    n = len(traced)
+    toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
+    assert len(traced) == n  # the default engine never calls them
+    assert toks_on == toks_off
+    assert rel_err(logits_on, logits_off) < 1e-5
