@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         tok = Tokenizer(model_dir)
         engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                                vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=args.max_batch,
-                               max_seq_len=args.max_seq_len, progress=True)
+                               max_seq_len=args.max_seq_len, mtp=False, progress=True)
         plan = engine.plan
         print(f"\njaxflash serving {name!r} ({dtype}) on http://{args.host}:{args.port}\n"
               f"  experts: {plan.residency}" + (f", {plan.cache_slots} cache slots/layer" if plan.residency == "host"

@@ -58,7 +58,7 @@ def nvfp4_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def on_device(nvfp4_dir):
-    return jaxflash.load(nvfp4_dir, expert_residency="device", **SMALL)
+    return jaxflash.load(nvfp4_dir, expert_residency="device", mtp_drafts=True, **SMALL)
 
 
 def test_greedy_equals_reference_generate(ref, engine):
@@ -166,6 +166,20 @@ def test_planned_dense_bytes_are_the_loaded_bytes(nvfp4_dir, on_device):
     assert bare.plan.reserved["dense weights"] == _device_bytes(bare.params) - routed
     with pytest.raises(ValueError, match="no MTP head is loaded"):
         bare.mtp_logits([1, 2, 3])
+    with pytest.raises(ValueError, match="mtp=False leaves it out"):
+        jaxflash.load(nvfp4_dir, expert_residency="device", mtp=False, mtp_drafts=True, **SMALL)
+
+
+def test_mtp_head_is_loaded_but_not_run_by_default(nvfp4_dir, on_device):
+    """By default the head is loaded (Engine.mtp_logits works) but the decode steps do not run it: no drafts,
+    no MTP state, the same tokens as an engine that drafts."""
+    plain = jaxflash.load(nvfp4_dir, expert_residency="device", **SMALL)
+    assert plain.params.mtp is not None and not plain.mtp
+    assert plain.mtp_logits([1, 2, 3]).shape[0] == 2  # rows 0 and 1 guess tokens 2 and 3
+    p = [int(t) for t in np.random.default_rng(12).integers(0, plain.config.vocab_size, 9)]
+    toks, _, drafts = plain.scheduler.step_logits(p, steps=6)
+    assert drafts is None and plain.scheduler.runner.state.mtp is None
+    assert toks == on_device.scheduler.step_logits(p, steps=6)[0]
 
 
 def test_host_residency_equals_device(nvfp4_dir, on_device):

@@ -51,11 +51,11 @@ def _bucket(n: int) -> int:
 class Engine:
     def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
-                 host_experts: HostExperts | None = None, ngram=None, mtp: bool | None = None,
+                 host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
                  gdn_kernel: bool | None = None, hc_kernel: bool = False):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
-        from the checkpoint on first use. mtp: run the MTP head in every step (default: when there is one).
+        from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
         expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics).
@@ -72,9 +72,9 @@ class Engine:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
         self.hc_kernel = hc_kernel
-        if mtp and params.mtp is None:
-            raise ValueError("mtp=True: this checkpoint has no MTP head")
-        self.mtp = params.mtp is not None if mtp is None else mtp
+        if mtp_drafts and params.mtp is None:
+            raise ValueError("mtp_drafts=True: no MTP head is loaded (the checkpoint has none, or mtp=False)")
+        self.mtp = mtp_drafts
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
@@ -285,8 +285,8 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
 
 def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
-         max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None, device=None,
-         progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
+         max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None,
+         mtp_drafts: bool = False, device=None, progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
          expert_kernel: bool | None = None, gdn_kernel: bool | None = None, hc_kernel: bool = False) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
@@ -295,10 +295,12 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     a VRAM cache of `cache_slots` experts per layer; "auto" picks "device" when everything fits the budget.
     vram_budget caps the device memory the engine plans for (e.g. "32GiB" to act as a 32 GB card).
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
-    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: run the MTP head in every
-    step, keeping its KV cache current and drafting the token after next (default: when the checkpoint has one;
-    `engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right; mtp=False does not
-    load the head, whose VRAM then goes to the expert cache: 2.6 GiB at full size).
+    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: load the MTP head
+    (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False leaves it on disk and its
+    VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in every decode step,
+    keeping its KV cache current and drafting the token after next (`engine.scheduler.stats.mtp_acceptance`
+    then reports how often the draft was right). Off by default: nothing uses the drafts until speculative
+    decoding, and the head costs a decoder layer and a second lm_head read per step.
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
@@ -334,6 +336,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     cpu = dev.platform == "cpu"
     layout = expert_layout(ckpt, cfg)
     with_mtp = mtp is not False and ckpt.has("mtp.fc_hidden.weight")
+    if mtp_drafts and not with_mtp:
+        raise ValueError("mtp_drafts=True needs the MTP head: " + ("mtp=False leaves it out" if mtp is False
+                                                                   else "the checkpoint has none"))
     table_bytes = 0 if on_device is None else on_device[0].nbytes + (4 if on_device[1] is not None else 0)
     mb = model_bytes(ckpt, cfg, dtype, layout, table_bytes, mtp=with_mtp)
     free, note = planner_mod.device_free_bytes(dev)
@@ -357,5 +362,5 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         log.info("expert pool: %.2f GiB on the host (%s)", pool.nbytes / 2**30,
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
         host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
-    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts, mtp=mtp,
-                  routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel, hc_kernel=hc_kernel)
+    return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts,
+                  mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel, hc_kernel=hc_kernel)
