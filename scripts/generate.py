@@ -99,8 +99,6 @@ def generate(args) -> int:
     st = engine.scheduler.stats
     rate = (len(out) - 1) / (end - first) if first and len(out) > 1 else 0.0
     hits = f", expert cache hit rate {st.hit_rate:.1%}" if st.hit_rate is not None else ""
-    if st.mtp_acceptance is not None:
-        hits += f", MTP draft acceptance {st.mtp_acceptance:.1%}"
     print(f"[{len(ids)} prompt tokens, {len(out)} generated; first token after {(first or end) - t0:.2f} s, "
           f"then {rate:.1f} tok/s{hits}]", file=sys.stderr)
     return 0
