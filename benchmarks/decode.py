@@ -125,7 +125,10 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     dispatch, stamps = [], []
     real_decode = runner.decode
 
+    spans = []
+
     def timed_decode(*a, **k):  # the host cost of dispatching one step, and when it happened
+        spans.append(k.get("span"))
         t0 = time.perf_counter()
         p = real_decode(*a, **k)
         t1 = time.perf_counter()
@@ -166,6 +169,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
         for _ in range(args.trace_steps):
             sched.step()
         jax.block_until_ready(runner.state)
+    traced_span = spans[-1]  # the context bucket of the traced steps
     for r in reqs:
         sched.cancel(r)
     while not sched.idle:
@@ -174,7 +178,8 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     runner.free()  # its KV and expert caches: the next configuration needs the memory
 
     tr = None
-    hlo = runner.program_text("decode", Want(), rows=next(b for b in sched.buckets if b >= len(prompts)))
+    hlo = runner.program_text("decode", Want(), rows=next(b for b in sched.buckets if b >= len(prompts)),
+                              span=traced_span)
     if args.keep_trace:  # the raw material, for a second look at the split
         import glob
         import gzip
@@ -194,7 +199,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
             log(f"  trace not summarised: {type(e).__name__}: {e}")
     batch = len(prompts)
     run = {"config": name, "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "batch": batch,
-           "max_batch": engine.plan.max_batch,
+           "max_batch": engine.plan.max_batch, "max_seq_len": engine.plan.max_seq_len, "span": traced_span,
            "ttft_all_s": ttft, "step_ms": step_s * 1e3, "tok_s": batch / step_s, "late_step_ms": late_s * 1e3,
            "dispatch_ms_median": statistics.median(dispatch[first:]) * 1e3,
            "dispatch_ms_max": max(dispatch[first:]) * 1e3, "steps_timed": len(steady) - 1}
@@ -254,7 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=48, help="timed decode steps (steady state, all admitted)")
     ap.add_argument("--trace-steps", type=int, default=8, help="decode steps in the profiler trace")
-    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--max-seq-len", default="4096",
+                    help="comma-separated context lengths the engine plans for (the server's default is 32768): "
+                         "the decode step's attention spans the whole planned context, not the sequences' lengths")
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--distinct-layers", type=int, default=2)
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
@@ -289,6 +296,7 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
            "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
            "max_seq_len": args.max_seq_len, "budget": args.budget, "runs": []}
+    seq_lens = [int(n) for n in args.max_seq_len.split(",")]
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "
         f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.dtype}")
 
@@ -327,17 +335,18 @@ def main(argv=None) -> int:
     hc_kernels = args.hc_kernel.split(",")
     if not set(hc_kernels) <= {"off", "on"}:
         ap.error(f"--hc-kernel takes off and/or on, got {args.hc_kernel!r}")
-    for mode, batch, routing, kern, gdn_k, hc_k, want_mb in itertools.product(
-            modes, batches, routings, kernels, gdn_kernels, hc_kernels, max_batches):
+    for mode, batch, routing, kern, gdn_k, hc_k, want_mb, seq_len in itertools.product(
+            modes, batches, routings, kernels, gdn_kernels, hc_kernels, max_batches, seq_lens):
         free, note = planner.device_free_bytes(dev)
         max_batch = max(batch, want_mb)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,
                             budget=planner.parse_bytes(args.budget) if mode == "host" else None,
-                            max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                            max_seq_len=seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
         name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
         name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + ("-hck" if hc_k == "on" else "")
         name += f"-mb{max_batch}" if max_batch != batch else ""
+        name += f"-ctx{seq_len}" if len(seq_lens) > 1 else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
         configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False,
@@ -373,7 +382,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     def programs(e):  # plain decoding: the decode step in every bucket the batch passes through while admitting
         return [("prefill", Want()), ("admit", None), ("release", None)] + [
-            ("decode", Want(), b) for b in e.scheduler.buckets]
+            ("decode", Want(), b, span) for b in e.scheduler.buckets for span in e.scheduler.spans]
 
     with concurrent.futures.ThreadPoolExecutor(min(len(engines), args.compile_threads)) as ex:
         list(ex.map(lambda e: e.scheduler.runner.compile(programs(e)), [e for _, e in engines]))

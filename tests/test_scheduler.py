@@ -232,3 +232,32 @@ def test_decode_runs_the_smallest_bucket(engine, tok, monkeypatch):
     run_events(engine.scheduler, reqs)
     assert reqs[0].out[:6] == solo and reqs[0].out == alone(engine, p, max_new_tokens=30, ignore_eos=True)
     assert 3 in rows and rows[-1] == 1  # the batch grew to three slots, then back to one
+
+
+def test_context_buckets_give_the_whole_context_tokens(engine, monkeypatch):
+    """With a short context bucket of 64 positions in a 192-token engine, decode steps read 64 positions while
+    every running sequence is shorter, then the whole context; the tokens equal the one-bucket engine's, for a
+    sequence crossing the bucket alone and beside a longer one (whose length sets the bucket of the step)."""
+    from jaxflash.engine import scheduler as scheduler_mod
+
+    assert scheduler_mod.context_spans(32768, 16) == [4096, 32768]
+    assert scheduler_mod.context_spans(4096, 16) == [4096] and scheduler_mod.context_spans(192, 16) == [192]
+    assert engine.scheduler.spans == [192]  # built before the patch below
+    monkeypatch.setattr(scheduler_mod, "SHORT_SPAN", 64)
+    short = jaxflash.load(max_batch=3, max_seq_len=192, prefill_chunk=16, progress=False)
+    assert short.scheduler.spans == [64, 192]
+    spans = []
+    real = short.scheduler.runner.decode
+    monkeypatch.setattr(short.scheduler.runner, "decode", lambda *a, **k: spans.append(k["span"]) or real(*a, **k))
+    rng = np.random.default_rng(21)
+    v = engine.config.vocab_size
+    crossing = [int(t) for t in rng.integers(0, v, 50)]  # positions 50..89: the bucket changes at 63
+    longer = [int(t) for t in rng.integers(0, v, 100)]
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    assert short.generate([crossing], **kw) == engine.generate([crossing], **kw)
+    assert spans[0] == 64 and spans[-1] == 192 and spans.count(64) == 64 - 50  # positions 50..63 fit in 64
+    spans.clear()
+    assert short.generate([crossing, longer], **kw) == engine.generate([crossing, longer], **kw)
+    first = spans.index(192)  # once the longer one runs (admissions come one per step), the whole context
+    assert first <= 2 and set(spans[first:]) == {192}
+    assert "decode@1:64" in short.scheduler.compile_counts()

@@ -199,13 +199,16 @@ def _cache_counts(experts: CachedExperts | None):
 
 
 def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks: Array | None,
-                expert_ids: Array | None):
+                expert_ids: Array | None, span: int | None = None):
     """One token for every active slot: feeds last_token, samples the next (within masks [B, ceil(V/32)] when
     built with Want.masks; routed to expert_ids [L, B, k] when the runner has a RoutingSource). Slots not
-    decoding are computed too (a fixed shape) but change no state."""
+    decoding are computed too (a fixed shape) but change no state. span: the positions attention reads (a
+    context bucket: every active slot's new token lies below it; default the whole context), since the
+    attention layers' work grows with the keys they read, not with the sequences' lengths."""
     cfg = setup.cfg
     n_new = st.active.astype(jnp.int32)
-    batch = TokenBatch.after(st.seqs.lengths, n_new, 1, st.seqs.page_table)
+    table = st.seqs.page_table if span is None else st.seqs.page_table[:, : span // setup.page_size]
+    batch = TokenBatch.after(st.seqs.lengths, n_new, 1, table)
     fed = st.last_token[:, None]
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
     experts = st.experts if setup.host is not None else ResidentExperts(
@@ -401,29 +404,36 @@ class Runner:
             ffi.check_info(out.cache_status, num_slots=h.slots, num_experts=h.num_experts)
 
     # ----- programs ---------------------------------------------------------------------------------------
-    def _key(self, name: str, want: Want | None = None, rows: int | None = None) -> tuple:
-        """Programs are named by (name, Want, rows): admit and release have no Want; the model's programs
-        default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all)."""
+    def _key(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None) -> tuple:
+        """Programs are named by (name, Want, rows, span): admit and release have no Want; the model's programs
+        default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all) and
+        attends to the first `span` positions (a context bucket, a multiple of the page size; None: all)."""
         if name not in ("admit", "release", "decode", "prefill"):
             raise ValueError(f"no program {name!r}")
         if name in ("admit", "release"):
-            return name, None, None
+            return name, None, None, None
         if name == "prefill":
-            return name, want or Want(), None
-        rows = rows or self.setup.max_batch
-        if not 1 <= rows <= self.setup.max_batch:
-            raise ValueError(f"a decode bucket of {rows} rows; this runner has {self.setup.max_batch} slots")
-        return name, want or Want(), rows
+            return name, want or Want(), None, None
+        s = self.setup
+        rows = rows or s.max_batch
+        if not 1 <= rows <= s.max_batch:
+            raise ValueError(f"a decode bucket of {rows} rows; this runner has {s.max_batch} slots")
+        if span == s.max_pages * s.page_size:
+            span = None
+        if span is not None and not (0 < span < s.max_pages * s.page_size and span % s.page_size == 0):
+            raise ValueError(f"a decode span of {span} positions; it must be a multiple of the page size "
+                             f"{s.page_size} below the context ({s.max_pages * s.page_size})")
+        return name, want or Want(), rows, span
 
-    def _program(self, name: str, want: Want | None = None, rows: int | None = None):
+    def _program(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None):
         """The compiled program, built on first use (see `compile`)."""
-        key = self._key(name, want, rows)
+        key = self._key(name, want, rows, span)
         if key not in self._programs:
             self._programs[key], _ = self._build_or_load(key)
         return self._programs[key]
 
     def compile(self, programs) -> dict[str, float]:
-        """Compile the programs [(name, Want or None[, rows]), ...] that are not built yet, side by side (XLA
+        """Compile the programs [(name, Want or None[, rows[, span]]), ...] that are not built yet, side by side (XLA
         compiles in native threads); a server does this before it says it is ready. Returns each one's seconds
         (a program found in the program store takes a file read; one found in JAX's persistent compilation cache
         its tracing time)."""
@@ -457,7 +467,7 @@ class Runner:
             program_store.save(fp, compiled)
         return compiled, "compiled"
 
-    def _build(self, name: str, want: Want | None, rows: int | None):
+    def _build(self, name: str, want: Want | None, rows: int | None, span: int | None):
         """Trace and compile one program over (weight leaves, state leaves, *inputs) ahead of time: its inputs'
         shapes are fixed by the setup, so each program compiles exactly once."""
         setup, p_def, s_def = self.setup, self._params_def, self._state_def
@@ -474,8 +484,8 @@ class Runner:
                 st, out = release(st, *args), None
             elif name == "prefill":
                 st, out = prefill_chunk(params, setup, want, st, *args)
-            else:  # a decode bucket: slots [0, rows) only
-                sub, out = decode_step(params, setup, want, _first_rows(st, rows), *args)
+            else:  # a decode bucket: slots [0, rows) only, positions [0, span)
+                sub, out = decode_step(params, setup, want, _first_rows(st, rows), *args, span=span)
                 st = _put_first_rows(st, rows, sub)
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
@@ -486,7 +496,7 @@ class Runner:
         return jax.jit(run, donate_argnums=1).lower(self._params, self._state_shapes,
                                                     *self._inputs(name, want, rows)).compile()
 
-    def _inputs(self, name: str, want: Want | None, rows: int | None) -> tuple:
+    def _inputs(self, name: str, want: Want | None, rows: int | None, span: int | None = None) -> tuple:
         """The shapes of a program's inputs after the weights and the state."""
         s, cfg = self.setup, self.setup.cfg
         i32, scalar = jnp.int32, jax.ShapeDtypeStruct((), jnp.int32)
@@ -507,8 +517,8 @@ class Runner:
                     scalar, chunk if want.score else None, ids(s.chunk))
         return (jax.ShapeDtypeStruct((rows, words), i32) if want.masks else None, ids(rows))
 
-    def _call(self, name: str, want: Want | None, *args, rows: int | None = None):
-        program = self._program(name, want, rows)
+    def _call(self, name: str, want: Want | None, *args, rows: int | None = None, span: int | None = None):
+        program = self._program(name, want, rows, span)
         if self._state is None:
             self.reset()
         self._state, out = program(self._params, self._state, *args)
@@ -532,30 +542,35 @@ class Runner:
                          None if targets is None else jnp.asarray(targets, jnp.int32), ids)
         return Pending(out, self)
 
-    def decode(self, want: Want = Want(), masks: np.ndarray | None = None, rows: int | None = None) -> Pending:
-        """Dispatch a decode step for slots [0, rows) (default: every slot; masks [rows, words]); see
-        decode_step. Its outputs have `rows` rows."""
+    def decode(self, want: Want = Want(), masks: np.ndarray | None = None, rows: int | None = None,
+               span: int | None = None) -> Pending:
+        """Dispatch a decode step for slots [0, rows) (default: every slot; masks [rows, words]) attending to
+        positions [0, span) (default: the whole context); see decode_step. Its outputs have `rows` rows."""
         if want.masks != (masks is not None):
             raise ValueError("decode: pass masks exactly when the program is built with Want(masks=True)")
         rows = rows or self.setup.max_batch
         routing = self.setup.routing
         ids = None if routing is None else jnp.asarray(routing.decode_ids(rows), jnp.int32)
-        out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids, rows=rows)
+        out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids, rows=rows,
+                         span=span)
         return Pending(out, self)
 
-    def program_text(self, name: str, want: Want | None = None, rows: int | None = None) -> str:
+    def program_text(self, name: str, want: Want | None = None, rows: int | None = None,
+                     span: int | None = None) -> str:
         """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
-        return self._program(name, want, rows).as_text()
+        return self._program(name, want, rows, span).as_text()
 
     def compile_counts(self) -> dict[str, int]:
         """The programs compiled so far (each exactly once), by label: decode@4 is the decode step of slots
-        [0, 4), decode[logprobs,masks]@8 the one with logprobs and grammar masks over 8 slots."""
+        [0, 4), decode[logprobs,masks]@8 the one with logprobs and grammar masks over 8 slots, decode@8:4096
+        the one of 8 slots over the first 4096 positions."""
         return {_label(*key): 1 for key in self._programs}
 
 
-def _label(name: str, want: Want | None, rows: int | None = None) -> str:
-    """admit, prefill, prefill[score], decode@8, decode[logprobs,masks]@1, ..."""
+def _label(name: str, want: Want | None, rows: int | None = None, span: int | None = None) -> str:
+    """admit, prefill, prefill[score], decode@8, decode[logprobs,masks]@1, decode@2:4096, ..."""
     label = name
     if want not in (None, Want()):
         label += "[" + ",".join(f.name for f in dataclasses.fields(want) if getattr(want, f.name)) + "]"
-    return label if rows is None else f"{label}@{rows}"
+    label = label if rows is None else f"{label}@{rows}"
+    return label if span is None else f"{label}:{span}"

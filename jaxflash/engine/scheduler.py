@@ -29,6 +29,16 @@ from .sampling import SamplingParams, SamplingRows
 
 # The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
 PLAIN, RICH = Want(), Want(logprobs=True, masks=True)
+# The short context bucket: while every running sequence is shorter, decode steps attend to this many positions
+# instead of the whole context (an engine planned for 32768 tokens serving a short chat reads an eighth).
+SHORT_SPAN = 4096
+
+
+def context_spans(max_seq_len: int, page_size: int) -> list[int]:
+    """The context buckets of the decode steps: SHORT_SPAN (when it is a whole number of pages below the
+    context) and the whole context."""
+    short = SHORT_SPAN if SHORT_SPAN < max_seq_len and SHORT_SPAN % page_size == 0 else None
+    return ([short] if short else []) + [max_seq_len]
 
 
 @dataclass(eq=False)
@@ -48,6 +58,7 @@ class Request:
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     draft: int | None = None  # the MTP head's guess of the next token
+    decoded: int = 0  # decode steps dispatched with it: the next one writes position len(prompt) + decoded
 
 
 class Event(NamedTuple):
@@ -93,6 +104,9 @@ class Scheduler:
         # decode buckets: a step computes the first `rows` slots only, the smallest bucket that holds every
         # running request (new requests take the lowest free slot), so a lone request costs a batch of one
         self.buckets = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
+        # and context buckets: it attends to the first `span` positions, the smallest bucket past every running
+        # request's new token (attention reads every position of its span, whatever the sequences' lengths)
+        self.spans = context_spans(self.max_seq_len, plan.page_size)
         self.chunk = plan.prefill_chunk
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
@@ -116,12 +130,12 @@ class Scheduler:
 
     def programs(self, serving: bool = True) -> list:
         """The programs plain generation of one request runs, or (serving) all that step() and its helpers may
-        run: every decode bucket, plain and rich."""
+        run: every decode bucket (batch size x context), plain and rich."""
         base = [("admit", None), ("release", None), ("prefill", Want())]
         if not serving:
-            return base + [("decode", PLAIN, 1)]
+            return base + [("decode", PLAIN, 1, span) for span in self.spans]
         return base + [("prefill", Want(logprobs=True)), ("prefill", Want(score=True))] + [
-            ("decode", want, rows) for rows in self.buckets for want in (PLAIN, RICH)]
+            ("decode", want, rows, span) for rows in self.buckets for want in (PLAIN, RICH) for span in self.spans]
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile the programs serving (or plain generation) uses, side by side, and allocate the state (KV
@@ -262,18 +276,22 @@ class Scheduler:
         rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
         top = max(r.slot for r in self.running) + 1
         rows = next(b for b in self.buckets if b >= top)
+        need = min(max(len(r.prompt) + r.decoded + 1 for r in self.running), self.max_seq_len)
+        span = next(s for s in self.spans if s >= need)
         try:
             if rich:
                 masks = np.full((rows, self.mask_words), -1, np.int32)
                 for r in self.running:
                     if r.constraint is not None:
                         masks[r.slot] = self._mask_row(r)
-                pending = self.runner.decode(RICH, masks, rows=rows)
+                pending = self.runner.decode(RICH, masks, rows=rows, span=span)
             else:
-                pending = self.runner.decode(PLAIN, rows=rows)
+                pending = self.runner.decode(PLAIN, rows=rows, span=span)
         except Exception as e:  # noqa: BLE001 -- a step that cannot run fails the requests in it
             events += self._fail(list(self.running), e)
             return False
+        for r in self.running:
+            r.decoded += 1
         self._in_flight.append(_Flight(pending, tuple(self._owner[:rows])))
         return True
 
