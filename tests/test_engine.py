@@ -228,6 +228,8 @@ def test_sampling_rules():
     assert draw(seed=1).tolist() != draw(seed=2).tolist()
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**31)  # the rows hold int32
 
 
 def test_planner_decisions():

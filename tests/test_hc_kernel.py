@@ -34,11 +34,10 @@ def random_hc(rng, cfg, dt, inject: bool):
                               inject=arr(s, w, scale=0.05) if inject else None)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("inject", [True, False])
-def test_mix_matches_twin(preset, dt, inject):
-    cfg = presets.preset(preset)
+def test_mix_matches_twin(dt, inject):
+    cfg = presets.preset("tiny")  # one chunk per stream and of the rank; the full-size test has several
     rng = np.random.default_rng(7)
     p = random_hc(rng, cfg, dt, inject)
     for shape, scale in (((1, 1), 3.0), ((3, 1), 1e-3), ((2, 4), 50.0)):  # 8 rows: the kernels' most

@@ -371,6 +371,7 @@ HOSTILE = [
     ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "seed": -1, {MSG}}}'),
     ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "seed": "abc", {MSG}}}'),
     ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "seed": {2**40}, {MSG}}}'),
+    ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "top_k": {2**60}, {MSG}}}'),  # was a 500 (int32)
     ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "min_p": "abc", {MSG}}}'),
     ("/v1/messages", f'{{"model": "t", "max_tokens": 3, "min_p": 5, {MSG}}}'),
     ("/v1/messages", '{"model": "t", "max_tokens": 3, "messages": [{"role": "user", "content": [{"type": '

@@ -17,7 +17,8 @@ import trace_parts  # noqa: E402
 
 
 def test_decode_step_time_splits_by_part(tmp_path):
-    engine = jaxflash.load(max_batch=2, max_seq_len=128, prefill_chunk=16, progress=False)
+    # mtp_drafts: the MTP head runs in the decode step, so its part is attributed too
+    engine = jaxflash.load(max_batch=2, max_seq_len=128, prefill_chunk=16, mtp_drafts=True, progress=False)
     sched = engine.scheduler
     (req,) = sched.make_requests([[5, 6, 7, 8]], max_new_tokens=40, temperature=0.0, top_p=1.0, top_k=0,
                                  min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)

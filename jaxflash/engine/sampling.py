@@ -28,8 +28,8 @@ class SamplingParams:
     def __post_init__(self):
         if not (self.temperature >= 0 and self.temperature == self.temperature):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0: off), got {self.top_k}")
+        if int(self.top_k) != self.top_k or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2^31) (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:

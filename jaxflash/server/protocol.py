@@ -260,7 +260,7 @@ class MessagesRequest(_AnthropicPrompt):
     stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000)  # the bound of the OpenAI endpoints
     min_p: float | None = Field(default=None, ge=0, le=1)  # extension
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)  # extension
     stream: bool = False
