@@ -318,7 +318,8 @@ def main(argv=None) -> int:
         for shard in table_np.shards:
             f.write(np.ascontiguousarray(shard).tobytes())
     table = ffi.NgramTable([(path, 0, table_np.rows)], head_dim=table_np.dim, dtype=table_np.dtype,
-                           heads=cfg.num_ngram_heads, max_tokens=max(args.prefill_chunk, max(batches), max(max_batches)))
+                           heads=cfg.num_ngram_heads,
+                           max_tokens=max(args.prefill_chunk, max(batches), max(max_batches)))
     ngram = (table, table_np.scale)
     mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
     rng = np.random.default_rng(1)

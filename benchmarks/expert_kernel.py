@@ -30,11 +30,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COPY_CEILING = 4.2e12  # bytes/s: a device-to-device copy on the H200 moves 4.2-4.3 TB/s (read + write)
-
-
-def log(msg=""):
-    print(msg, flush=True)
+from kernel_timing import COPY_CEILING, log, rel_err  # noqa: E402
 
 
 def random_experts(key, e: int, h: int, i: int):
@@ -107,13 +103,6 @@ def f64_reference(ex, x, ids, w):
             y = bf(deq(ex.down, e).astype(np.float64) @ a)
             out[n] += float(np.asarray(w[n, j], np.float32)) * y
     return out
-
-
-def rel_err(a, b) -> float:
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def routing_ids(case: str, rows: int, layers: int, e: int, k: int, routing: str, seed: int):

@@ -145,9 +145,10 @@ def main(argv=None) -> int:
         err_s = rel_err([t.recurrent for t in s], [t.recurrent for t in ref_s])
         conv_same = all(np.array_equal(np.asarray(t.conv, np.float32), np.asarray(r.conv, np.float32))
                         for t, r in zip(s, ref_s))
-        log(f"numerics, kernel {w[0]} warps x {w[1]} columns vs XLA: o {err_o:.2e}, state {err_s:.2e} (relative to the largest), "
-            f"conv state equal: {conv_same}")
-        res.setdefault("numerics", []).append({"warps": w[0], "block_v": w[1], "o": err_o, "state": err_s, "conv_equal": conv_same})
+        log(f"numerics, kernel {w[0]} warps x {w[1]} columns vs XLA: o {err_o:.2e}, state {err_s:.2e} (relative "
+            f"to the largest), conv state equal: {conv_same}")
+        res.setdefault("numerics", []).append({"warps": w[0], "block_v": w[1], "o": err_o, "state": err_s,
+                                               "conv_equal": conv_same})
 
     cases = [("recurrent", "xla", lambda: recurrent_program(None), state_bytes)]
     cases += [("recurrent", f"kernel-w{w}-bv{bv}", lambda w=w, bv=bv: recurrent_program((w, bv)), state_bytes)

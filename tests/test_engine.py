@@ -18,13 +18,10 @@ from jaxflash.engine import PlanError, planner
 from jaxflash.engine.sampling import SamplingParams, SamplingRows, sample
 
 from hf_reference import build_hf_model, hf_logits, near_ties, save_checkpoint, tiny_hf_config
+from numerics import rel_err
 
 TOL = 1e-4
 SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
-
-
-def rel_err(out, ref) -> float:
-    return float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def prompt(rng, n, vocab, eos, eos_at=()):

@@ -26,17 +26,14 @@ from jaxflash.ffi.experts import ExpertLayout
 from jaxflash.kernels import nvfp4_experts as K
 from jaxflash.model.moe import NVFP4, Experts, ResidentExperts, experts_gather
 
+from numerics import rel_err
+
 TOL = 8e-3 if K.on_gpu() else 1e-6  # float32 products
 TOL_F16X2 = 1.6e-2  # float16x2 products (the default for bfloat16 tokens)
 
 
 def tol(dtype) -> float:
     return TOL_F16X2 if K.resolve_math(K.Tiles(), dtype) == "f16x2" else TOL
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def random_nvfp4(rng, e, n, k):

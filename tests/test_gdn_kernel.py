@@ -24,10 +24,7 @@ from jaxflash.config import FULL_ATTENTION
 from jaxflash.kernels import gdn_decode, on_gpu
 from jaxflash.model import gated_deltanet as gdn
 
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
+from numerics import rel_err
 
 
 def random_layer(rng, cfg, dt):

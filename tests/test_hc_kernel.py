@@ -18,10 +18,7 @@ from jaxflash import presets, synthetic
 from jaxflash.kernels import hc_mix
 from jaxflash.model import hyper_connection as hc
 
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
+from numerics import rel_err
 
 
 def random_hc(rng, cfg, dt, inject: bool):

@@ -26,12 +26,9 @@ from jaxflash.model.weights import DictSource, load_params
 
 from hf_reference import (build_hf_model, checkpoint_tensors, hf_logits, mtp_reference, pre_mixer_hidden,
                           near_ties, random_mtp, round_to, save_checkpoint, tiny_hf_config)
+from numerics import rel_err
 
 TOL = 1e-4
-
-
-def rel_err(out, ref) -> float:
-    return float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def with_eos(rng, n, vocab, eos, at):

@@ -286,8 +286,9 @@ def model_bytes(ckpt: Checkpoint, cfg: ModelConfig, dtype, layout, table_on_devi
 def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_table: str = "auto",
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None,
-         mtp_drafts: bool = False, device=None, progress: bool | None = None, routing: runner_mod.RoutingSource | None = None,
-         expert_kernel: bool | None = None, gdn_kernel: bool | None = None, hc_kernel: bool = False) -> Engine:
+         mtp_drafts: bool = False, device=None, progress: bool | None = None,
+         routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
+         gdn_kernel: bool | None = None, hc_kernel: bool = False) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -363,4 +364,5 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
         host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts,
-                  mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel, hc_kernel=hc_kernel)
+                  mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
+                  hc_kernel=hc_kernel)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..config import ModelConfig
-from . import on_gpu
+from . import compiler_params, on_gpu
 
 Array = jax.Array
 DTYPES = (jnp.bfloat16, jnp.float32)  # compute dtypes the kernel takes (the state is float32 for both)
@@ -93,12 +93,6 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
     o_ref[h, cols] = jnp.sum(s * qf[:, None], axis=0).astype(dt)  # (S^T q)
 
 
-def _compiler_params(warps: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=warps, num_stages=1)
-
-
 def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: Array, conv_w: Array,
                    dt_bias: Array, a_log: Array, conv_state: Array, recurrent: Array, *,
                    interpret: bool | None = None, warps: int = 4, block_v: int = 32):
@@ -127,6 +121,6 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
         grid=(hv, dv // block_v),
         input_output_aliases={8: 2},
-        compiler_params=None if interpret else _compiler_params(warps),
+        compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="gdn_decode",
     )(qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import on_gpu
+from . import compiler_params, on_gpu
 
 Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
@@ -113,12 +113,6 @@ def _up_kernel(h_ref, norm_ref, up_ref, a_ref, rstd_ref, x_ref, *, rows: int, st
         x_ref[n, pl.ds(j * block_h, block_h)] = acc[n] / streams
 
 
-def _compiler_params(warps: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=warps, num_stages=1)
-
-
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         interpret: bool | None = None, block_r: int = 4, block_h: int = 32, warps: int = 4):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] float32,
@@ -138,7 +132,7 @@ def _mix(h, norm, down, up, inject, *, streams: int, eps: float, interpret: bool
     if h.dtype != jnp.float32 or not takes(rows, width, streams, rank, block_r, block_h):
         raise ValueError(f"hc_mix takes float32 rows [<= {MAX_ROWS}, S*H] with power-of-two tiles; got "
                          f"{h.dtype}{list(h.shape)}, {streams} streams, rank {rank}")
-    params = None if interpret else _compiler_params(warps)
+    params = compiler_params(interpret, warps)
     f32 = jnp.float32
     has_inject = inject is not None
     down_kernel = partial(_down_kernel, rows=rows, streams=streams, hidden=hidden, block_r=block_r,

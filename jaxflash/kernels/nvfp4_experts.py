@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import on_gpu
+from . import compiler_params, on_gpu
 
 Array = jax.Array
 NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
@@ -449,12 +449,6 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
-def _compiler_params(warps: int, stages: int):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
-
-
 @partial(jax.jit, static_argnames=("place", "tiles", "interpret"))
 def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
     n_tok, k = ids.shape
@@ -467,14 +461,14 @@ def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
         partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((pairs, place.inter), dt),
         grid=(pairs, place.inter // t.rows_gu),
-        compiler_params=None if interpret else _compiler_params(t.warps_gu, t.stages),
+        compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
         interpret=interpret, name="nvfp4_gate_up",
     )(flat, x, *operands)
     y = pl.pallas_call(
         partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
         grid=(pairs, place.hidden // t.rows_down),
-        compiler_params=None if interpret else _compiler_params(t.warps_down, t.stages),
+        compiler_params=compiler_params(interpret, t.warps_down, t.stages),
         interpret=interpret, name="nvfp4_down",
     )(flat, act, *operands)
     return y.reshape(n_tok, k, place.hidden)

@@ -9,9 +9,10 @@ kernels do the same).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ..kernels import hc_mix
@@ -35,7 +36,7 @@ def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = F
     """Block input x [..., H] (float32) and injection weights [..., S] (None for the final mixer) of h [..., W].
     kernel: a few rows (a decode step) run in jaxflash.kernels.hc_mix (compiled on a GPU, interpreted
     elsewhere); this function's own code is that kernel's twin."""
-    lead, rows = h.shape[:-1], int(np.prod(h.shape[:-1]))
+    lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
     if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
         x, inj = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps)
         return x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
