@@ -191,7 +191,6 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
         shutil.copy(newest, os.path.join(args.out, f"trace_{tag}.json.gz"))
         with gzip.open(os.path.join(args.out, f"decode_hlo_{tag}.txt.gz"), "wt") as f:
             f.write(hlo)
-        args.keep_trace = False  # the first configuration only
     if jax.devices()[0].platform == "gpu":  # the CPU backend's traces hold no device kernels
         try:
             tr = trace_parts.summarise(trace_parts.gpu_kernels(trace_dir), args.trace_steps, hlo)
@@ -270,7 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-threads", type=int, default=3, help="configurations compiled at once")
     ap.add_argument("--only", default=None, help="comma-separated configurations to run, e.g. host-b1-calibrated")
     ap.add_argument("--keep-trace", action="store_true",
-                    help="also copy the first configuration's trace and decode HLO into --out")
+                    help="also copy each configuration's trace and decode HLO into --out")
     args = ap.parse_args(argv)
 
     import jax

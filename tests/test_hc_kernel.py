@@ -1,5 +1,6 @@
 """The hyper-connection mix kernels (jaxflash/kernels/hc_mix.py) against their twin, the model's
-hyper_connection.mix, and inside the engine's decode steps.
+hyper_connection.mix, and inside the engine's decode steps; and the twin's float32-exact dot with bfloat16
+weights.
 
 On the CPU the kernels run in Pallas interpret mode. Inputs: random float32 residual rows at several scales,
 norm, bottleneck and injection weights in float32 and bfloat16, with and without injection weights (the final
@@ -56,6 +57,34 @@ def test_full_size_mix_matches_twin():
     h = jnp.asarray(rng.normal(size=(1, 1, cfg.hidden_size * cfg.hc_count)), jnp.float32)
     (x0, i0), (x1, i1) = (hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps, kernel=k) for k in (False, True))
     assert rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
+
+
+def test_bf16_parts_are_exact():
+    """The three bfloat16 parts of float32 values (the twin's bf16-weight dot) sum to them exactly, over
+    the float32 range down to 2^-100, signs and zeros included. (Below, a part can be subnormal, and XLA
+    flushes subnormals to zero, as in all its float arithmetic: no residual value is that small.)"""
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=4096) * np.exp2(rng.integers(-100, 120, 4096).astype(np.float64))
+    x = np.concatenate([x, [0.0, -0.0, 1.0, -1.0, 3.4e38, 2.0 ** -100]]).astype(np.float32)
+    parts = hc._bf16_parts(jnp.asarray(x))
+    assert parts.shape == (3, x.size) and parts.dtype == jnp.bfloat16
+    p = np.asarray(parts.astype(jnp.float32))
+    np.testing.assert_array_equal(p[0] + (p[1] + p[2]), x)
+    np.testing.assert_array_equal(p.sum(0), x)
+
+
+def test_bf16_weight_dot_is_a_float32_dot():
+    """With bfloat16 weights and SPLIT_ROWS rows or more the mix's products run as one bf16 dot over the
+    parts: equal to the float32 product of the widened weights up to the order of the sums (tolerance 1e-6 of the largest value, against
+    float64; float32 itself measures about 5e-7 here)."""
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(rng.normal(size=(40, 2560)) * 0.02, jnp.bfloat16)
+    for rows in (1, hc.SPLIT_ROWS, 8):  # the float32 dot, then the parts
+        x = jnp.asarray(rng.normal(size=(rows, 2560)) * 10.0 ** rng.uniform(-3, 3, (rows, 1)), jnp.float32)
+        ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+        got = hc._f32_linear(x, w)
+        assert got.dtype == jnp.float32
+        assert np.abs(np.asarray(got) - ref).max() / np.abs(ref).max() < 1e-6
 
 
 def test_takes_and_fallback(monkeypatch):

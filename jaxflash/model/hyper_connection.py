@@ -28,7 +28,33 @@ class HyperConnection:
     inject: Array | None  # block_inject_weight.weight [S, W]; None for the final mixer
 
 
+def _bf16_parts(x: Array) -> Array:
+    """float32 x as three bfloat16 terms [3, ...] (largest first) whose sum is x exactly: each keeps the top
+    8 significant bits of what is left (float32 has 24; bfloat16 has float32's exponent range). The bits
+    are cut with an integer mask, which no compiler may treat as a rounding it can skip."""
+    parts = []
+    for _ in range(3):
+        top = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                       jnp.float32)
+        parts.append(top.astype(jnp.bfloat16))  # exact: top has bfloat16's precision
+        x = x - top  # exact: the low bits of x
+    return jnp.stack(parts)
+
+
+# Rows from which a bfloat16 weight multiplies the parts of x in one bf16 dot rather than as float32. H200,
+# full size, one mix with its combine (benchmarks/hc_kernel.py): 1 row 14.2 us as float32, 21.8 us by the parts
+# (cuBLAS picks a split-K GEMM for 3 rows); 8 rows 39.4 us as float32, 21.3 us by the parts.
+SPLIT_ROWS = 2
+
+
 def _f32_linear(x: Array, w: Array) -> Array:
+    """x [..., K] float32 @ w [N, K]^T in float32. From SPLIT_ROWS rows on, a bfloat16 w multiplies the three
+    bfloat16 parts of x in one bf16 x bf16 -> f32 dot: each product is exact in float32, so this is the float32
+    product up to the order of the sums, reading w once as bf16 on the tensor cores, where a float32 dot
+    widens w and runs as a reduction whose time grows with the rows."""
+    if x.dtype == jnp.float32 and w.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) >= SPLIT_ROWS:
+        y = jnp.einsum("p...k,nk->p...n", _bf16_parts(x), w, preferred_element_type=jnp.float32)
+        return y[0] + (y[1] + y[2])
     return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=lax.Precision.HIGHEST)
 
 
