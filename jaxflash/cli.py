@@ -55,6 +55,20 @@ def memory_size(text: str) -> str:
     return text
 
 
+def add_speculative(ap: argparse.ArgumentParser) -> None:
+    """--spec and --draft-tokens (jaxflash.load's speculative and draft_tokens)."""
+    ap.add_argument("--spec", choices=["none", "ngram"], default="none",
+                    help="speculative decoding: ngram drafts tokens from the text so far and verifies them in one "
+                         "step (the output is what plain decoding gives); default none")
+    ap.add_argument("--draft-tokens", type=int, choices=[1, 2, 3], default=3,
+                    help="drafts per sequence and verify step, with --spec ngram (default 3)")
+
+
+def speculative(args) -> dict:
+    """The jaxflash.load keywords of add_speculative's arguments."""
+    return dict(speculative=None if args.spec == "none" else args.spec, draft_tokens=args.draft_tokens)
+
+
 def add_compile_cache(ap: argparse.ArgumentParser) -> None:
     from .compile_cache import ENV, default_dir
 

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
                     help="expert cache slots per layer (host residency)")
     ap.add_argument("--max-seq-len", type=cli.positive_int, default=None)
     ap.add_argument("--verbose", "-v", action="store_true", help="log the memory plan")
+    cli.add_speculative(ap)
     cli.add_compile_cache(ap)
     args = ap.parse_args(argv)
     with cli.errors_exit():
@@ -64,7 +65,8 @@ def generate(args) -> int:
     t0 = time.perf_counter()
     engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                            vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=1,
-                           max_seq_len=args.max_seq_len, mtp=False)
+                           max_seq_len=args.max_seq_len, mtp=False,
+                           **cli.speculative(args))
     print(f"[loaded {model_dir} in {time.perf_counter() - t0:.1f} s: {engine.plan.summary()}]", file=sys.stderr)
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
@@ -99,6 +101,9 @@ def generate(args) -> int:
     st = engine.scheduler.stats
     rate = (len(out) - 1) / (end - first) if first and len(out) > 1 else 0.0
     hits = f", expert cache hit rate {st.hit_rate:.1%}" if st.hit_rate is not None else ""
+    if st.draft_acceptance is not None:
+        hits += (f", {st.drafts_accepted} of {st.drafts_fed} drafts kept ({st.draft_acceptance:.0%}), "
+                 f"{st.generated_tokens / max(st.decode_steps, 1):.2f} tokens per step")
     print(f"[{len(ids)} prompt tokens, {len(out)} generated; first token after {(first or end) - t0:.2f} s, "
           f"then {rate:.1f} tok/s{hits}]", file=sys.stderr)
     return 0

@@ -53,7 +53,8 @@ class Engine:
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
-                 gdn_kernel: bool | None = None, hc_kernel: bool = False):
+                 gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
+                 draft_tokens: int = 3):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
@@ -61,7 +62,8 @@ class Engine:
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics).
         gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
         model it takes; True elsewhere runs it in interpret mode). hc_kernel: run the decode steps'
-        hyper-connection mixes in jaxflash.kernels.hc_mix (default off: on the H200 no faster than XLA's mix)."""
+        hyper-connection mixes in jaxflash.kernels.hc_mix (default off: on the H200 no faster than XLA's mix).
+        speculative, draft_tokens: see load."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
         self.expert_kernel = expert_kernel
@@ -75,6 +77,7 @@ class Engine:
         if mtp_drafts and params.mtp is None:
             raise ValueError("mtp_drafts=True: no MTP head is loaded (the checkpoint has none, or mtp=False)")
         self.mtp = mtp_drafts
+        self.draft_tokens = _draft_tokens(speculative, draft_tokens, mtp_drafts, routing)
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
@@ -174,8 +177,9 @@ class Engine:
             if self.ngram is None:
                 if self.checkpoint is None:
                     raise ValueError("generation needs the n-gram table: pass ngram=(table, scale) or a checkpoint")
-                table = ffi.NgramTable.from_checkpoint(self.checkpoint, cfg,
-                                                       max_tokens=max(plan.prefill_chunk, plan.max_batch))
+                table = ffi.NgramTable.from_checkpoint(  # the most tokens one program feeds
+                    self.checkpoint, cfg,
+                    max_tokens=max(plan.prefill_chunk, plan.max_batch * (1 + self.draft_tokens)))
                 self.ngram = (table, self.checkpoint.read_ngram_table().scale)
             table, scale = self.ngram
             hash_ = ffi.NgramHash.from_config(cfg)
@@ -186,7 +190,7 @@ class Engine:
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
-                                self.expert_kernel, self.gdn_kernel, self.hc_kernel)
+                                self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -288,7 +292,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None,
          mtp_drafts: bool = False, device=None, progress: bool | None = None,
          routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
-         gdn_kernel: bool | None = None, hc_kernel: bool = False) -> Engine:
+         gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
+         draft_tokens: int = 3) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -310,6 +315,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps XLA's form). hc_kernel:
     decode steps run the hyper-connection mixes in two kernels each (jaxflash.kernels.hc_mix; default off: on
     the H200 it ties XLA's mix at batch 1 and loses at larger batches).
+    speculative: "ngram" decodes speculatively with up to draft_tokens (1 to 3) drafts per sequence and step,
+    proposed from the sequence's own earlier tokens (jaxflash.engine.speculative) and checked in one verify
+    step; the output is what plain decoding gives (token for token when greedy, in distribution when sampled).
+    None (the default) decodes one token per step.
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -318,6 +327,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float64', got {dtype!r}")
     if dtype == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError("dtype='float64' needs jax.config.update('jax_enable_x64', True) first")
+    k_drafts = _draft_tokens(speculative, draft_tokens, mtp_drafts, routing)  # bad values fail before loading
     if ple_table not in ("auto", "device", "host"):
         raise ValueError(f"ple_table must be 'auto', 'device' or 'host', got {ple_table!r}")
     if cache_slots is not None and expert_residency == "device":
@@ -347,7 +357,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         cfg, mb, residency=expert_residency, budget=budget, free=free, free_note=note, max_batch=max_batch,
         max_seq_len=max_seq_len or (min(cfg.max_position_embeddings, 4096) if cpu else None),
         cache_slots=cache_slots, prefill_chunk=prefill_chunk or (64 if cpu else 256),
-        dtype_bytes=jnp.dtype(dtype).itemsize)
+        dtype_bytes=jnp.dtype(dtype).itemsize, rows_per_seq=1 + k_drafts)
     host = plan.residency == "host"
     if host and layout is None:
         raise planner_mod.PlanError("host-resident experts need NVFP4 or BF16 routed experts in the checkpoint")
@@ -365,4 +375,23 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts,
                   mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
-                  hc_kernel=hc_kernel)
+                  hc_kernel=hc_kernel, speculative=speculative, draft_tokens=draft_tokens)
+
+
+SPECULATIVE = (None, "ngram")  # the proposers; MTP drafts are not built yet
+
+
+def _draft_tokens(speculative, draft_tokens, mtp_drafts: bool, routing) -> int:
+    """The runner's drafts per verify step (0: no speculation), or ValueError for a bad combination."""
+    if speculative not in SPECULATIVE:
+        raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
+    if speculative is None:
+        return 0
+    if isinstance(draft_tokens, bool) or int(draft_tokens) != draft_tokens or not 1 <= draft_tokens <= 3:
+        raise ValueError(f"draft_tokens must be an integer from 1 to 3, got {draft_tokens!r}")
+    if mtp_drafts:
+        raise ValueError("speculative decoding and mtp_drafts=True do not go together (the verify step does not "
+                         "run the MTP head)")
+    if routing is not None:
+        raise ValueError("speculative decoding takes the routers' own routing (no RoutingSource)")
+    return int(draft_tokens)

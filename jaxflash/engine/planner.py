@@ -131,8 +131,9 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, max_seq_len: int, max_batch: i
 def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: int | None = None,
          free: int | None = None, free_note: str = "", max_batch: int = 8, max_seq_len: int | None = None,
          cache_slots: int | None = None, prefill_chunk: int = 256, dtype_bytes: int = 2,
-         staging_slots: int = 32) -> Plan:
-    """Decide residency, cache slots, KV pages and max_seq_len (see the module docstring)."""
+         staging_slots: int = 32, rows_per_seq: int = 1) -> Plan:
+    """Decide residency, cache slots, KV pages and max_seq_len (see the module docstring). rows_per_seq: token
+    rows a decode step feeds per sequence (1 + the drafts of a speculative verify step)."""
     if residency not in RESIDENCIES:
         raise ValueError(f"expert_residency must be one of {RESIDENCIES}, got {residency!r}")
     if max_batch < 1:
@@ -189,7 +190,8 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     if mb.record_bytes <= 0:
         raise PlanError("host-resident experts need NVFP4 or BF16 expert tensors in the checkpoint")
 
-    min_slots = min(E, max_batch * k)  # a decode step may route to max_batch * k distinct experts
+    rows = max_batch * rows_per_seq
+    min_slots = min(E, rows * k)  # a decode (or verify) step may route its rows to rows * k distinct experts
     good_slots = min(E, max(min_slots, 3 * k))  # below ~3 x top_k slots an LRU cache retains nothing
     staging = min(staging_slots, E)
     seq = seq_wanted
@@ -205,7 +207,7 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         seq = max(MIN_AUTO_SEQ_LEN, seq // 2)
     if cache_slots is not None:
         if not min_slots <= cache_slots <= E:
-            raise PlanError(f"cache_slots={cache_slots}: a step of {max_batch} sequences may need {min_slots} "
+            raise PlanError(f"cache_slots={cache_slots}: a step of {rows} token rows may need {min_slots} "
                             f"distinct experts per layer, so cache_slots must be in [{min_slots}, {E}]")
         if cache_slots > fit:
             raise PlanError(f"cache_slots={cache_slots} x {L} layers x {mb.record_bytes / MiB:.2f} MiB does not fit:"

@@ -36,10 +36,12 @@ from ..model import mtp as mtp_mod
 from ..model.attention import PagedKV
 from ..model.base import Array, TokenBatch, pytree_dataclass, up
 from ..model.moe import ResidentExperts
-from ..model.transformer import LayerState, Params, final_logits, forward_layers, init_layer_state
+from ..model.transformer import LayerState, Params, commit_layers, final_logits, forward_layers, init_layer_state
 from . import program_store
+from . import speculative as spec_mod
 from .experts import CachedExperts, HostExperts, StagedExperts
-from .sampling import SamplingRows, sample
+from .sampling import SamplingRows, sample, verify
+from .speculative import SpecState
 
 log = logging.getLogger("jaxflash")
 TOP_LOGPROBS = 20  # alternatives returned per token when logprobs are asked for (OpenAI's maximum)
@@ -65,6 +67,7 @@ class DecodeState:
     sampling: SamplingRows
     active: Array  # [B] bool: decoding
     last_token: Array  # [B] int32: the token the next decode step feeds
+    spec: SpecState | None = None  # speculative decoding: each slot's tokens and its next drafts
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +93,11 @@ class Setup:
     # on a GPU; elsewhere it runs in interpret mode, for tests)
     hc_kernel: bool = False  # decode's hyper-connection mixes by jaxflash.kernels.hc_mix (off by default: no faster
     # than XLA's on the H200; elsewhere it runs in interpret mode, for tests)
+    draft_tokens: int = 0  # speculative decoding: K drafts per sequence in a verify step (0: off)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages * self.page_size
 
 
 class RoutingSource:
@@ -122,8 +130,12 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
     mtp = None
     if setup.mtp:
         mtp = init_layer_state(params.mtp.layer, cfg, b, setup.dtype, setup.num_pages, setup.page_size)
+    spec = None
+    if setup.draft_tokens:
+        width = spec_mod.history_width(setup.max_seq_len, setup.chunk, setup.draft_tokens)
+        spec = SpecState.empty(b, width, setup.draft_tokens)
     return DecodeState(seqs, layers, experts, staging, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
-                       jnp.zeros(b, jnp.int32))
+                       jnp.zeros(b, jnp.int32), spec)
 
 
 # ----- outputs ----------------------------------------------------------------------------------------------
@@ -150,7 +162,8 @@ class LogProbs:
 class StepOutput:
     """What every program returns. Fields a program was not built for are None."""
 
-    tokens: Array  # decode [B] / prefill [] int32: the sampled tokens (stale for slots not decoding)
+    tokens: Array  # decode [B] / prefill [] / verify [B, K+1] int32: the sampled tokens (stale for slots not
+    # decoding); a verify step's row b emits tokens[b, :accepted[b] + 1]
     drafts: Array | None  # like tokens: the MTP head's greedy guess of the token after each sampled one
     logprobs: LogProbs | None  # Want.logprobs: of the sampled tokens
     logits: Array | None  # Want.logits: [B, V] / [V] float32
@@ -160,6 +173,9 @@ class StepOutput:
     cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
     expert_misses: Array  # int32: experts copied into the VRAM caches by this step (decode, host residency)
     expert_lookups: Array  # int32: distinct (layer, expert) uses looked up in them
+    accepted: Array | None = None  # verify [B] int32: the drafts each row kept
+    n_draft: Array | None = None  # verify [B] int32: the drafts each row fed
+    proposed: Array | None = None  # speculation: [B] / prefill [] int32: the drafts proposed for the next step
 
 
 def logprobs_of(logits: Array, tokens: Array) -> LogProbs:
@@ -189,6 +205,11 @@ def _ple_rows(setup: Setup, tokens: Array, context: Array | None, n_new: Array):
         if setup.table_scale is not None:
             rows = rows * setup.table_scale
     return rows, step.context, step.info
+
+
+def _capacity(setup: Setup, page_table: Array) -> Array:
+    """Positions each row may write: its owned pages (ids below num_pages) times the page size."""
+    return jnp.sum(page_table < setup.num_pages, axis=-1).astype(jnp.int32) * setup.page_size
 
 
 def _cache_counts(experts: CachedExperts | None):
@@ -225,15 +246,71 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens[:, None], batch, st.mtp)
         draft_logits = mtp_mod.mtp_logits(params, cfg, hm[:, 0])
         drafts = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    spec = st.spec
+    if spec is not None:  # the new token into each row's history, and the next verify step's drafts
+        hist = jax.vmap(spec_mod.write)(spec.history, lengths, jnp.where(st.active, tokens, 0)[:, None])
+        hist = jnp.where(st.active[:, None], hist, spec.history)
+        spec = spec_mod.propose_rows(SpecState(hist, spec.drafts, spec.n_draft), lengths,
+                                     _capacity(setup, st.seqs.page_table), st.active)
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, mtp=mtp,
-        last_token=jnp.where(st.active, tokens, st.last_token))
+        last_token=jnp.where(st.active, tokens, st.last_token), spec=spec)
     cache_status, misses, lookups = _cache_counts(st.experts)
     out = StepOutput(tokens=tokens, drafts=drafts, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
                      logits=logits if want.logits else None,
                      draft_logits=draft_logits if want.logits else None, prompt_logprobs=None,
-                     ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups)
+                     ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups,
+                     proposed=None if spec is None else spec.n_draft)
+    return st, out
+
+
+def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps: Array,
+                span: int | None = None):
+    """Speculative decoding: every active slot feeds its last token and its first min(n_draft, caps[b])
+    drafts (SpecState), K+1 rows per slot in one pass over the weights; sampling.verify keeps the longest
+    accepted prefix plus one token, and the state moves exactly that far: the GDN and PLE states are committed
+    after the accepted tokens alone (transformer.commit_layers), the lengths, PLE context and history advance
+    by accepted + 1, and the next drafts are proposed. KV rows written for rejected drafts lie past the
+    sequence's length, where nothing reads them before they are overwritten. Slots not decoding change
+    nothing. span: as in decode_step."""
+    cfg, k = setup.cfg, setup.draft_tokens
+    sp = st.spec
+    n_draft = jnp.where(st.active, jnp.clip(jnp.minimum(sp.n_draft, caps), 0, k), 0)
+    n_new = jnp.where(st.active, n_draft + 1, 0)
+    table = st.seqs.page_table if span is None else st.seqs.page_table[:, : span // setup.page_size]
+    batch = TokenBatch.after(st.seqs.lengths, n_new, k + 1, table)
+    fed = jnp.concatenate([st.last_token[:, None], sp.drafts], axis=1)  # [B, K+1]
+    ctx0 = st.seqs.ple_context
+    rows, _, ple_status = _ple_rows(setup, fed, ctx0, n_new)
+    experts = st.experts if setup.host is not None else ResidentExperts(
+        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
+    h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, None,
+                                            setup.gdn_kernel, setup.hc_kernel, pending=True)
+    logits = final_logits(params, cfg, h, setup.hc_kernel)  # [B, K+1, V]
+    with jax.named_scope("sampling"):
+        tokens, accepted = verify(logits, sp.drafts, n_draft, st.sampling, st.seqs.lengths + 1)
+    keep = jnp.where(st.active, accepted + 1, 0)
+    layers = commit_layers(cfg, pending, keep)
+    lengths = st.seqs.lengths + keep
+    context = ctx0
+    if ctx0 is not None:  # the last tokens fed and kept (the PLE step's own context counts every fed token)
+        context = jax.vmap(lambda c, f, n: lax.dynamic_slice_in_dim(jnp.concatenate([c, f]), n, c.shape[0]))(
+            ctx0, fed, keep)
+    last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    hist = jax.vmap(spec_mod.write)(sp.history, st.seqs.lengths + 1, tokens)
+    hist = jnp.where(st.active[:, None], hist, sp.history)
+    spec = spec_mod.propose_rows(SpecState(hist, sp.drafts, sp.n_draft), lengths,
+                                 _capacity(setup, st.seqs.page_table), st.active)
+    st = dataclasses.replace(
+        st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
+        experts=experts if setup.host is not None else None, last_token=jnp.where(st.active, last, st.last_token),
+        spec=spec)
+    cache_status, misses, lookups = _cache_counts(st.experts)
+    out = StepOutput(tokens=tokens, drafts=None, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
+                     logits=logits if want.logits else None, draft_logits=None, prompt_logprobs=None,
+                     ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups,
+                     accepted=accepted, n_draft=n_draft, proposed=spec.n_draft)
     return st, out
 
 
@@ -262,14 +339,14 @@ def _first_rows(st: DecodeState, rows: int) -> DecodeState:
     (KV pages, expert caches) whole."""
     cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
     return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut, st.layers), sampling=cut(st.sampling),
-                               active=st.active[:rows], last_token=st.last_token[:rows])
+                               active=st.active[:rows], last_token=st.last_token[:rows], spec=cut(st.spec))
 
 
 def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState:
     put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
     return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs), layers=_per_slot(put, st.layers, sub.layers),
                                sampling=put(st.sampling, sub.sampling), active=put(st.active, sub.active),
-                               last_token=put(st.last_token, sub.last_token))
+                               last_token=put(st.last_token, sub.last_token), spec=put(st.spec, sub.spec))
 
 
 def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slot: Array, tokens: Array,
@@ -302,15 +379,24 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     if want.score:
         prompt_lp = logprobs_of(final_logits(params, cfg, h[0]), targets)
     seqs = _set_row(st.seqs, slot, SeqState(seq.lengths + n, seq.page_table, context))
+    spec = st.spec
+    if spec is not None:  # the chunk's tokens (and the first sampled one) into the history; after the last
+        # chunk, the first verify step's drafts
+        row = _row(spec, slot)
+        hist = spec_mod.write(row.history[0], seq.lengths[0], tokens)
+        hist = jnp.where(last, spec_mod.write(hist, seq.lengths[0] + n, token[None]), hist)
+        row = spec_mod.propose_rows(SpecState(hist[None], row.drafts, row.n_draft), seq.lengths + n,
+                                    _capacity(setup, seq.page_table), last[None])
+        spec = _set_row(spec, slot, row)
     st = dataclasses.replace(
         st, seqs=seqs, layers=layers, staging=experts if setup.host is not None else None, mtp=mtp,
         active=st.active.at[slot].set(last | st.active[slot]),
-        last_token=st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot])))
+        last_token=st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot])), spec=spec)
     out = StepOutput(tokens=token, drafts=drafts, logprobs=logprobs_of(logits, token) if want.logprobs else None,
                      logits=logits if want.logits else None,
                      draft_logits=draft_logits if want.logits else None, prompt_logprobs=prompt_lp,
                      ple_status=ple_status, cache_status=None, expert_misses=jnp.int32(0),
-                     expert_lookups=jnp.int32(0))
+                     expert_lookups=jnp.int32(0), proposed=None if spec is None else spec.n_draft[slot])
     return st, out
 
 
@@ -328,7 +414,8 @@ def admit(setup: Setup, st: DecodeState, slot: Array, pages: Array, sampling: Sa
                     ctx)
     return dataclasses.replace(st, seqs=seqs, layers=layers,
                                sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), st.sampling, sampling),
-                               active=st.active.at[slot].set(False), last_token=st.last_token.at[slot].set(0))
+                               active=st.active.at[slot].set(False), last_token=st.last_token.at[slot].set(0),
+                               spec=None if st.spec is None else fresh(st.spec))
 
 
 def release(st: DecodeState, slot: Array) -> DecodeState:
@@ -408,7 +495,7 @@ class Runner:
         """Programs are named by (name, Want, rows, span): admit and release have no Want; the model's programs
         default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all) and
         attends to the first `span` positions (a context bucket, a multiple of the page size; None: all)."""
-        if name not in ("admit", "release", "decode", "prefill"):
+        if name not in ("admit", "release", "decode", "prefill", "verify"):
             raise ValueError(f"no program {name!r}")
         if name in ("admit", "release"):
             return name, None, None, None
@@ -418,6 +505,8 @@ class Runner:
         rows = rows or s.max_batch
         if not 1 <= rows <= s.max_batch:
             raise ValueError(f"a decode bucket of {rows} rows; this runner has {s.max_batch} slots")
+        if name == "verify" and not s.draft_tokens:
+            raise ValueError("no verify program: this runner does not speculate (draft_tokens=0)")
         if span == s.max_pages * s.page_size:
             span = None
         if span is not None and not (0 < span < s.max_pages * s.page_size and span % s.page_size == 0):
@@ -484,8 +573,9 @@ class Runner:
                 st, out = release(st, *args), None
             elif name == "prefill":
                 st, out = prefill_chunk(params, setup, want, st, *args)
-            else:  # a decode bucket: slots [0, rows) only, positions [0, span)
-                sub, out = decode_step(params, setup, want, _first_rows(st, rows), *args, span=span)
+            else:  # a decode or verify bucket: slots [0, rows) only, positions [0, span)
+                step = decode_step if name == "decode" else verify_step
+                sub, out = step(params, setup, want, _first_rows(st, rows), *args, span=span)
                 st = _put_first_rows(st, rows, sub)
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
@@ -515,6 +605,8 @@ class Runner:
             chunk = jax.ShapeDtypeStruct((s.chunk,), i32)
             return (scalar, chunk, scalar, jax.ShapeDtypeStruct((), bool), jax.ShapeDtypeStruct((words,), i32),
                     scalar, chunk if want.score else None, ids(s.chunk))
+        if name == "verify":
+            return (jax.ShapeDtypeStruct((rows,), i32),)
         return (jax.ShapeDtypeStruct((rows, words), i32) if want.masks else None, ids(rows))
 
     def _call(self, name: str, want: Want | None, *args, rows: int | None = None, span: int | None = None):
@@ -553,6 +645,18 @@ class Runner:
         ids = None if routing is None else jnp.asarray(routing.decode_ids(rows), jnp.int32)
         out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids, rows=rows,
                          span=span)
+        return Pending(out, self)
+
+    def verify(self, caps: np.ndarray, want: Want = Want(), rows: int | None = None,
+               span: int | None = None) -> Pending:
+        """Dispatch a verify step for slots [0, rows) with at most caps[b] drafts each (caps [rows]); see
+        verify_step. Its outputs have `rows` rows."""
+        rows = rows or self.setup.max_batch
+        if self.setup.routing is not None:
+            raise ValueError("verify: a runner with fixed routing (a RoutingSource) does not speculate")
+        if want.masks:
+            raise ValueError("verify: grammar masks need each token before the next; use decode")
+        out = self._call("verify", want, jnp.asarray(caps, jnp.int32), rows=rows, span=span)
         return Pending(out, self)
 
     def program_text(self, name: str, want: Want | None = None, rows: int | None = None,

@@ -60,9 +60,8 @@ class SamplingRows:
                             jnp.float32(p.min_p), jnp.uint32(p.seed))
 
 
-def sample_row(logits: Array, temperature, top_k, top_p, min_p, seed, position) -> Array:
-    """One token id from logits [V] (float32)."""
-    greedy = jnp.argmax(logits).astype(jnp.int32)
+def _filtered(logits: Array, temperature, top_k, top_p, min_p):
+    """The sampling distribution of logits [V]: (order, the sorted scaled logits, which of them are kept)."""
     v = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled)  # descending
@@ -74,9 +73,58 @@ def sample_row(logits: Array, temperature, top_k, top_p, min_p, seed, position) 
     kept = kept / jnp.sum(kept)  # top-p acts on the top-k distribution, renormalised
     keep &= (jnp.cumsum(kept) - kept) < top_p  # the smallest prefix reaching top_p (the first token always)
     keep &= probs >= min_p * probs[0]  # min-p: relative to the most likely token
+    return order, s, keep
+
+
+def sample_row(logits: Array, temperature, top_k, top_p, min_p, seed, position) -> Array:
+    """One token id from logits [V] (float32)."""
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    order, s, keep = _filtered(logits, temperature, top_k, top_p, min_p)
     key = jax.random.fold_in(jax.random.key(seed), position)
     choice = jax.random.categorical(key, jnp.where(keep, s, -jnp.inf))
     return jnp.where(temperature > 0, order[choice].astype(jnp.int32), greedy)
+
+
+def verify_row(logits: Array, drafts: Array, n_draft, temperature, top_k, top_p, min_p, seed,
+               position) -> tuple[Array, Array]:
+    """Speculative sampling over one sequence's verify step: logits [K+1, V] (float32) after feeding its last
+    token and drafts [K] (the first n_draft of them real). Returns (tokens [K+1], accepted): the first
+    `accepted` drafts are kept, and tokens[accepted] is the token after them; tokens[i] for i <= accepted
+    is what the sequence emits. position: where tokens[0] goes (tokens[i] goes to position + i).
+
+    Drafts are single proposals (a point mass q at d), so the rule is: keep d with probability p(d) under
+    the request's own sampling distribution p (temperature, top-k, top-p, min-p); at the first rejection
+    draw from p without d, renormalised ((p - q)+); after the last kept draft, draw from p. Then every
+    emitted token has the distribution plain sampling gives. Greedy (temperature 0): keep d while it is the
+    argmax, then the argmax. Zero drafts draw exactly what `sample_row` draws at that position."""
+    k = drafts.shape[0]
+    toks, oks = [], []
+    for i in range(k + 1):
+        plain = sample_row(logits[i], temperature, top_k, top_p, min_p, seed, position + i)
+        if i == k:
+            toks.append(plain)
+            break
+        d = drafts[i]
+        order, s, keep = _filtered(logits[i], temperature, top_k, top_p, min_p)
+        lp = jnp.where(keep, s, -jnp.inf)
+        p_d = jnp.sum(jnp.where(order == d, jax.nn.softmax(lp), 0.0))
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position + i), 1)
+        u_key, r_key = jax.random.split(key)
+        sampled_ok = jax.random.uniform(u_key) < p_d
+        residual = order[jax.random.categorical(r_key, jnp.where(order == d, -jnp.inf, lp))].astype(jnp.int32)
+        greedy = jnp.argmax(logits[i]).astype(jnp.int32)
+        ok = jnp.where(temperature > 0, sampled_ok, greedy == d) & (i < n_draft)
+        # a rejected draft gives the residual draw; past the real drafts the position draws plainly
+        toks.append(jnp.where(ok, d, jnp.where(i < n_draft, jnp.where(temperature > 0, residual, greedy), plain)))
+        oks.append(ok)
+    accepted = jnp.sum(jnp.cumprod(jnp.stack(oks).astype(jnp.int32))) if k else jnp.int32(0)
+    return jnp.stack(toks).astype(jnp.int32), accepted.astype(jnp.int32)
+
+
+def verify(logits: Array, drafts: Array, n_draft: Array, rows: SamplingRows, positions: Array):
+    """verify_row over a batch: logits [B, K+1, V], drafts [B, K], n_draft [B], positions [B]."""
+    return jax.vmap(verify_row)(logits.astype(jnp.float32), drafts, n_draft, rows.temperature, rows.top_k,
+                                rows.top_p, rows.min_p, rows.seed, positions)
 
 
 def sample(logits: Array, rows: SamplingRows, positions: Array) -> Array:

@@ -12,6 +12,12 @@ The next input token already lives in the device state. A request that ends in s
 max_new_tokens, a cancellation) was still computed in step n+1; that token is dropped, and its slot is
 released after step n+1 (one step late). Grammar-constrained requests need each token before the next step's
 mask can be made, so while one runs, steps are not overlapped.
+
+Speculative decoding (a runner with draft_tokens K > 0): steps are verify steps, which feed each sequence its
+last token and up to K drafts proposed on the device (engine/speculative.py) and emit 1 to K+1 tokens per
+sequence. The stop rules apply token by token, so a stop token or max_new_tokens inside the accepted drafts
+ends the request there. Each request's draft cap adapts to its acceptance (`Spec`): where drafts keep being
+rejected it drops to 0, and a step in which every request is at 0 runs the plain decode program.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .sampling import SamplingParams, SamplingRows
 
 # The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
 PLAIN, RICH = Want(), Want(logprobs=True, masks=True)
+VERIFY_RICH = Want(logprobs=True)  # verify steps take no grammar masks (such requests decode plainly)
 # The short context bucket: while every running sequence is shorter, decode steps attend to this many positions
 # instead of the whole context (an engine planned for 32768 tokens serving a short chat reads an eighth).
 SHORT_SPAN = 4096
@@ -58,7 +65,39 @@ class Request:
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     draft: int | None = None  # the MTP head's guess of the next token
-    decoded: int = 0  # decode steps dispatched with it: the next one writes position len(prompt) + decoded
+    decoded: int = 0  # positions its dispatched steps may have fed: the next one writes from len(prompt) + decoded
+    spec: Spec | None = None  # speculative decoding: its draft cap
+    proposed: int = 0  # speculative decoding: drafts the device proposed after its latest token read
+
+
+@dataclass
+class Spec:
+    """A request's draft cap under speculative decoding. `rate` is a running mean of the fraction of fed drafts
+    kept; below LOW the cap is 0 for `wait` steps (doubling each time, up to WAIT_MAX), then K again to probe."""
+
+    k: int
+    rate: float = 1.0
+    wait: int = 0
+    backoff: int = 4
+    LOW = 0.3  # a draft kept less often than this costs more verify rows than it saves (not yet measured)
+    ALPHA = 0.3
+    WAIT_MAX = 64
+
+    @property
+    def cap(self) -> int:
+        return 0 if self.wait > 0 else self.k
+
+    def step(self, fed: int, kept: int) -> None:
+        """After a step that fed `fed` drafts and kept `kept` of them."""
+        if self.wait > 0:
+            self.wait -= 1
+            return
+        if fed:
+            self.rate += self.ALPHA * (kept / fed - self.rate)
+            if self.rate < self.LOW:
+                self.wait, self.backoff, self.rate = self.backoff, min(2 * self.backoff, self.WAIT_MAX), 1.0
+            elif kept == fed:
+                self.backoff = 4
 
 
 class Event(NamedTuple):
@@ -78,6 +117,9 @@ class Stats:
     expert_misses: int = 0
     mtp_drafts: int = 0  # MTP greedy drafts compared with the token then sampled
     mtp_accepted: int = 0
+    verify_steps: int = 0  # speculative decoding: verify steps (also counted in decode_steps)
+    drafts_fed: int = 0  # drafts fed to verify steps, summed over their sequences
+    drafts_accepted: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -87,6 +129,10 @@ class Stats:
     def mtp_acceptance(self) -> float | None:
         return None if not self.mtp_drafts else self.mtp_accepted / self.mtp_drafts
 
+    @property
+    def draft_acceptance(self) -> float | None:
+        return None if not self.drafts_fed else self.drafts_accepted / self.drafts_fed
+
 
 @dataclass(eq=False)
 class _Flight:
@@ -95,6 +141,7 @@ class _Flight:
     pending: Pending
     owners: tuple  # decode: the request in each slot when it was dispatched (None: no one)
     first_of: Request | None = None  # prefill: the request whose first token it sampled
+    fed: int = 1  # decode: positions per sequence it may feed (K+1 for a verify step)
 
 
 class Scheduler:
@@ -108,6 +155,7 @@ class Scheduler:
         # request's new token (attention reads every position of its span, whatever the sequences' lengths)
         self.spans = context_spans(self.max_seq_len, plan.page_size)
         self.chunk = plan.prefill_chunk
+        self.k = runner.setup.draft_tokens  # speculative decoding: drafts per verify step (0: off)
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
         self.stats = Stats()
@@ -133,9 +181,13 @@ class Scheduler:
         run: every decode bucket (batch size x context), plain and rich."""
         base = [("admit", None), ("release", None), ("prefill", Want())]
         if not serving:
-            return base + [("decode", PLAIN, 1, span) for span in self.spans]
+            return base + [(name, PLAIN, 1, span) for span in self.spans
+                           for name in ("decode",) + (("verify",) if self.k else ())]
+        verify = [("verify", want, rows, span) for rows in self.buckets for want in (PLAIN, VERIFY_RICH)
+                  for span in self.spans] if self.k else []
         return base + [("prefill", Want(logprobs=True)), ("prefill", Want(score=True))] + [
-            ("decode", want, rows, span) for rows in self.buckets for want in (PLAIN, RICH) for span in self.spans]
+            ("decode", want, rows, span) for rows in self.buckets for want in (PLAIN, RICH)
+            for span in self.spans] + verify
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile the programs serving (or plain generation) uses, side by side, and allocate the state (KV
@@ -167,6 +219,7 @@ class Scheduler:
         return [self._end(req, "cancelled")]
 
     def _admit(self, req: Request) -> None:
+        req.spec = Spec(self.k) if self.k else None
         req.slot = min(self.free_slots)
         self.free_slots.remove(req.slot)
         n = self.pages_for(req)
@@ -276,10 +329,18 @@ class Scheduler:
         rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
         top = max(r.slot for r in self.running) + 1
         rows = next(b for b in self.buckets if b >= top)
-        need = min(max(len(r.prompt) + r.decoded + 1 for r in self.running), self.max_seq_len)
+        caps = np.zeros(rows, np.int32)
+        if self.k and not any(r.constraint is not None for r in self.running):
+            for r in self.running:  # no proposal in the latest step read: likely none now (one step stale)
+                caps[r.slot] = r.spec.cap if r.proposed else 0
+        fed = self.k + 1 if caps.any() else 1  # positions this step may feed per sequence
+        need = min(max(len(r.prompt) + r.decoded + fed for r in self.running), self.max_seq_len)
         span = next(s for s in self.spans if s >= need)
         try:
-            if rich:
+            if fed > 1:
+                want = VERIFY_RICH if any(r.logprobs is not None for r in self.running) else PLAIN
+                pending = self.runner.verify(caps, want, rows=rows, span=span)
+            elif rich:
                 masks = np.full((rows, self.mask_words), -1, np.int32)
                 for r in self.running:
                     if r.constraint is not None:
@@ -291,8 +352,8 @@ class Scheduler:
             events += self._fail(list(self.running), e)
             return False
         for r in self.running:
-            r.decoded += 1
-        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows])))
+            r.decoded += fed  # corrected by what the step kept, once it is read
+        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), fed=fed))
         return True
 
     def _drain(self) -> list[Event]:
@@ -312,13 +373,35 @@ class Scheduler:
             req = flight.first_of
             if req.finish is not None:
                 return []
+            if out.proposed is not None:
+                req.proposed = int(out.proposed)
             return self._accept(req, int(out.tokens), _logprob_row(out, None, req), _draft(out, None))
         self.stats.decode_steps += 1
         self.stats.expert_misses += int(out.expert_misses)
         self.stats.expert_lookups += int(out.expert_lookups)
         events = []
+        if out.accepted is not None:  # a verify step: 1 to K+1 tokens per sequence
+            self.stats.verify_steps += 1
+            for slot, req in enumerate(flight.owners):
+                if req is None or req.finish is not None:
+                    continue
+                kept, fed = int(out.accepted[slot]), int(out.n_draft[slot])
+                req.proposed = int(out.proposed[slot])
+                self.stats.drafts_fed += fed
+                self.stats.drafts_accepted += kept
+                req.spec.step(fed, kept)
+                req.decoded -= flight.fed - (kept + 1)
+                for i in range(kept + 1):
+                    events += self._accept(req, int(out.tokens[slot, i]), _logprob_row(out, (slot, i), req), None)
+                    if req.finish is not None:
+                        break
+            return events
         for slot, req in enumerate(flight.owners):
             if req is not None and req.finish is None:
+                if out.proposed is not None:
+                    req.proposed = int(out.proposed[slot])
+                if req.spec is not None:  # a plain step counts down a cap of 0 too
+                    req.spec.step(0, 0)
                 events += self._accept(req, int(out.tokens[slot]), _logprob_row(out, slot, req), _draft(out, slot))
         return events
 
@@ -450,8 +533,9 @@ class Scheduler:
         return [int(x) for x in arr]
 
 
-def _logprob_row(out: StepOutput, slot: int | None, req: Request) -> tuple | None:
-    """(logprob, [(id, logprob), ...]) of one sampled token, when the request asked for logprobs."""
+def _logprob_row(out: StepOutput, slot, req: Request) -> tuple | None:
+    """(logprob, [(id, logprob), ...]) of one sampled token, when the request asked for logprobs. slot: None
+    (prefill), the slot (decode) or (slot, position) (verify)."""
     if req.logprobs is None or out.logprobs is None:
         return None
     lp = out.logprobs if slot is None else jax.tree.map(lambda a: a[slot], out.logprobs)

@@ -3,7 +3,7 @@
 Per value head h the state S_h [dk, dv] evolves as
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 Prefill uses the chunked (WY / UT-transform) form, which turns 64 sequential updates into a few matmuls;
-decode uses the recurrence directly. Both run in float32 (float64 for a float64 model).
+decode and verify steps (up to UNROLL tokens) use the recurrence directly. Both run in float32 (float64 for a float64 model).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from .base import Array, acc_dtype, linear, pytree_dataclass, silu, up
 from .norms import l2norm, rms_norm_gated
 
 CHUNK = 64
+UNROLL = 8  # up to this many tokens (a verify step's K+1) take the recurrence, unrolled: the chunked form would
+# pad them to CHUNK
 _HI = lax.Precision.HIGHEST
 
 
@@ -38,6 +40,35 @@ class GatedDeltaNet:
 class GDNState:
     conv: Array  # [K-1, conv_dim]: the last K-1 raw (pre-conv) qkv rows
     recurrent: Array  # [Hv, dk, dv] float32
+
+
+@pytree_dataclass
+class GDNPending:
+    """A GDN layer's state after a verify step (several draft tokens per sequence), before it is known how
+    many of them are kept: what `commit` needs to make the state after any prefix of them, exactly."""
+
+    hist: Array  # [K-1+T, conv_dim]: the conv history before the step, then the step's raw qkv rows
+    k: Array  # [T, Hv, dk] float32: the delta rule's inputs per token
+    v: Array  # [T, Hv, dv]
+    g: Array  # [T, Hv]
+    beta: Array  # [T, Hv]
+    recurrent: Array  # [Hv, dk, dv]: the recurrent state before the step
+
+
+def commit(p: GDNPending, n: Array | int) -> GDNState:
+    """The state after the first n tokens of a verify step: the delta rule again over them alone (the
+    projections, the conv and the gates are not recomputed; tokens from n on get beta = g = 0, which leaves
+    the state as it was), and the conv history cut to end at token n."""
+    t = p.k.shape[0]
+    live = (jnp.arange(t) < n)[:, None]
+    g, beta = jnp.where(live, p.g, 0.0), jnp.where(live, p.beta, 0.0)
+    s = p.recurrent
+    for i in range(t):  # T is a few tokens: unrolled (a GPU while loop would leave the command buffer)
+        s = s * jnp.exp(g[i])[:, None, None]
+        kv = jnp.einsum("hkv,hk->hv", s, p.k[i], precision=_HI)
+        s = s + p.k[i][:, :, None] * ((p.v[i] - kv) * beta[i][:, None])[:, None, :]
+    width = p.hist.shape[0] - t
+    return GDNState(conv=lax.dynamic_slice_in_dim(p.hist, n, width, axis=0), recurrent=s)
 
 
 def init_state(cfg: ModelConfig, dtype) -> GDNState:
@@ -143,18 +174,23 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         s = s + k_t[:, :, None] * ((v_t - kv) * b_t[:, None])[:, None, :]
         return s, jnp.einsum("hkv,hk->hv", s, q_t, precision=_HI)
 
-    if q.shape[0] == 1:  # a decode step: no loop (a GPU while loop costs a host round trip per iteration)
-        state, o = step(state, (q[0], k[0], v[0], g[0], beta[0]))
-        return o[None], state
+    if q.shape[0] <= UNROLL:  # decode and verify steps: no loop (a GPU while loop leaves the CUDA graph)
+        outs = []
+        for t in range(q.shape[0]):
+            state, o = step(state, (q[t], k[t], v[t], g[t], beta[t]))
+            outs.append(o)
+        return jnp.stack(outs), state
     state, o = lax.scan(step, state, (q, k, v, g, beta))
     return o, state
 
 
 def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState,
-                   n_valid: Array | int | None = None, kernel: bool = False) -> tuple[Array, GDNState]:
+                   n_valid: Array | int | None = None, kernel: bool = False,
+                   pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
     """x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the state as it was.
     kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on a GPU,
-    interpreted elsewhere); this function's own code is that kernel's twin."""
+    interpreted elsewhere); this function's own code is that kernel's twin. pending: return a GDNPending
+    instead of the new state (a verify step: `commit` then keeps the accepted tokens)."""
     t = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -165,7 +201,7 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     b = linear(x, p.in_proj_b)
     a = linear(x, p.in_proj_a)
 
-    if kernel and t == 1:
+    if kernel and t == 1 and not pending:
         live = (jnp.asarray(1 if n_valid is None else n_valid) > 0).astype(jnp.int32).reshape(1)
         o, conv_state, recurrent = gdn_decode.recurrent_step(
             cfg, qkv_raw, b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, state.conv.astype(x.dtype),
@@ -190,11 +226,13 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     q = l2norm(jnp.repeat(q, hv // hk, axis=1)) * (dk ** -0.5)
     k = l2norm(jnp.repeat(k, hv // hk, axis=1))
 
-    rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+    rule = recurrent_gated_delta_rule if t <= UNROLL else chunk_gated_delta_rule
     o, recurrent = rule(q, k, v, g, beta, state.recurrent)
 
     o = rms_norm_gated(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(t, hv * dv), p.out_proj)
+    if pending:
+        return y, GDNPending(hist=hist, k=k, v=v, g=g, beta=beta, recurrent=state.recurrent)
 
     width = cfg.linear_conv_kernel_dim - 1
     start = t if n_valid is None else n_valid

@@ -80,9 +80,15 @@ def gather_rows(p: PLE, ids: Array) -> Array:
     return rows * p.table_scale if p.table_scale is not None else rows
 
 
+def commit(hist: Array, cfg: ModelConfig, n: Array | int) -> Array:
+    """The conv state after the first n tokens of a verify step, from its history (`ple(pending=True)`)."""
+    return jax.lax.dynamic_slice_in_dim(hist, n, cfg.ple_conv_state_len, axis=0)
+
+
 def ple(p: PLE, cfg: ModelConfig, h: Array, rows: Array, conv_state: Array,
-        n_valid: Array | int | None = None) -> tuple[Array, Array]:
-    """h [T, W] (float32 residual), rows [T, 16, d] -> (PLE output [T, W] float32, new conv state)."""
+        n_valid: Array | int | None = None, pending: bool = False) -> tuple[Array, Array]:
+    """h [T, W] (float32 residual), rows [T, 16, d] -> (PLE output [T, W] float32, new conv state). pending:
+    return the conv history [state; T rows] instead of the state (a verify step: `commit` keeps a prefix)."""
     t = h.shape[0]
     s, hid = cfg.hc_count, cfg.hidden_size
     dt = p.key_proj.dtype
@@ -104,6 +110,7 @@ def ple(p: PLE, cfg: ModelConfig, h: Array, rows: Array, conv_state: Array,
     conv = sum(hist[j * dil : j * dil + t] * w[:, j] for j in range(k))
     out = gated + silu(conv)
 
-    start = t if n_valid is None else n_valid
-    new_state = jax.lax.dynamic_slice_in_dim(hist, start, cfg.ple_conv_state_len, axis=0).astype(conv_state.dtype)
+    if pending:
+        return out, hist.astype(conv_state.dtype)
+    new_state = commit(hist, cfg, t if n_valid is None else n_valid).astype(conv_state.dtype)
     return out, new_state

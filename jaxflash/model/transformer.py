@@ -76,7 +76,7 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
                   state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None,
-                  gdn_kernel: bool = False, hc_kernel: bool = False):
+                  gdn_kernel: bool = False, hc_kernel: bool = False, pending: bool = False):
     """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
@@ -84,6 +84,9 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
     gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`); hc_kernel:
     the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`).
+    pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPending, the PLE
+    conv history) until `commit_layers` keeps each sequence's accepted tokens; the KV pages are written for
+    every new token (positions past a sequence's length are never read, and later tokens overwrite them).
     Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
     The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
     as it was.
@@ -95,7 +98,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     ple_conv = state.ple_conv
     if layer.ple is not None:
         with jax.named_scope("ple"):
-            out, ple_conv = jax.vmap(lambda hh, rr, cs, n: ple_mod.ple(layer.ple, cfg, hh, rr, cs, n))(
+            out, ple_conv = jax.vmap(lambda hh, rr, cs, n: ple_mod.ple(layer.ple, cfg, hh, rr, cs, n, pending))(
                 h, ple_rows, ple_conv, n_new)
             h = h + out
 
@@ -107,8 +110,8 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
         else:
-            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n, gdn_kernel))(
-                x, state.mixer, n_new)
+            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n, gdn_kernel,
+                                                                     pending))(x, state.mixer, n_new)
         with jax.named_scope("hyper_connection"):
             h = hc.combine(h, inj, y)
 
@@ -124,11 +127,11 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
 def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
                    ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False,
-                   hc_kernel: bool = False):
+                   hc_kernel: bool = False, pending: bool = False):
     """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
     states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
-    routers'); gdn_kernel, hc_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer, the
-    updated states, the updated expert source, a Routing per layer)."""
+    routers'); gdn_kernel, hc_kernel, pending: see decoder_layer. Returns (h [B, T, W] before the final mixer,
+    the updated states, the updated expert source, a Routing per layer)."""
     h = embed(params, cfg, tokens)
     new_states, routings = [], []
     for i, layer in enumerate(params.layers):
@@ -136,10 +139,25 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
             h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
                                               ple_rows if layer.ple is not None else None,
                                               None if expert_ids is None else expert_ids[i], gdn_kernel,
-                                              hc_kernel)
+                                              hc_kernel, pending)
         new_states.append(st)
         routings.append(r)
     return h, tuple(new_states), experts, tuple(routings)
+
+
+def commit_layers(cfg: ModelConfig, states: tuple, keep: Array) -> tuple:
+    """The layer states after the first keep[b] (>= 1) new tokens of each sequence b, from a verify step's
+    pending states (forward_layers(pending=True)): exactly the states that feeding those tokens alone gives."""
+    out = []
+    for st in states:
+        mixer = st.mixer
+        if isinstance(mixer, gdn.GDNPending):
+            mixer = jax.vmap(gdn.commit)(mixer, keep)
+        ple_conv = st.ple_conv
+        if ple_conv is not None:
+            ple_conv = jax.vmap(lambda hist, n: ple_mod.commit(hist, cfg, n))(ple_conv, keep)
+        out.append(LayerState(mixer, ple_conv))
+    return tuple(out)
 
 
 def fresh(cfg: ModelConfig, layers, batch: int, length: int, dtype) -> tuple[TokenBatch, tuple]:

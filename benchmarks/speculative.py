@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Speculative decoding with n-gram drafts on the bundled model's held-out text: acceptance and speed.
+
+W windows of the held-out token stream (scripts/train_tiny.py's documents, as benchmarks/routing.py rebuilds
+them) are prompts of P tokens; each is continued greedily for N tokens by plain decoding and by n-gram
+speculation with K = 1, 2, 3 drafts (one sequence, max_batch 1). Greedy speculation must give plain decoding's
+tokens, and the script checks that it did. Per configuration: tokens per step (generated / decode steps,
+verify steps included), drafts fed and kept, the fraction kept, decode wall time per token (prefill excluded:
+the first token's time is taken off) and the speedup over plain decoding.
+
+    python benchmarks/speculative.py                      # the bundled model on this machine's CPU
+    python benchmarks/speculative.py --windows 4 --new 32 # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(engine, prompts, new: int):
+    """(outputs, decode seconds excluding each prompt's first token, stats delta) of greedy generation."""
+    sched = engine.scheduler
+    before = dict(vars(sched.stats))
+    outs, secs = [], 0.0
+    for p in prompts:
+        t0 = first = None
+        out = []
+        t0 = time.perf_counter()
+        for _, tok in engine.generate_stream([p], new, ignore_eos=True):
+            if tok is None:
+                break
+            if first is None:
+                first = time.perf_counter()
+            out.append(tok)
+        secs += time.perf_counter() - (first or t0)
+        outs.append(out)
+    after = vars(sched.stats)
+    return outs, secs, {k: after[k] - before[k] for k in before}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    ap.add_argument("--draft-tokens", default="1,2,3", help="comma-separated K values")
+    ap.add_argument("--windows", type=int, default=8, help="prompts taken from the held-out stream")
+    ap.add_argument("--prompt", type=int, default=96, help="prompt tokens per window")
+    ap.add_argument("--new", type=int, default=64, help="generated tokens per window")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None, help="directory for speculative.json")
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    import jaxflash
+    from routing import heldout_tokens
+
+    model = args.model or str(jaxflash.DEFAULT_MODEL)
+    stream = heldout_tokens(model)
+    span = args.prompt + args.new
+    if len(stream) < span:
+        raise SystemExit(f"the held-out stream has {len(stream)} tokens, fewer than one window ({span})")
+    starts = np.linspace(0, len(stream) - span, args.windows).astype(int)
+    prompts = [[int(t) for t in stream[s : s + args.prompt]] for s in starts]
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; {model}, {args.dtype}; held-out stream "
+          f"{len(stream)} tokens, {len(prompts)} windows of {args.prompt} prompt + {args.new} generated tokens, "
+          "greedy, batch 1", flush=True)
+    kw = dict(dtype=args.dtype, max_batch=1, max_seq_len=512, progress=False)
+    res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
+           "python": platform.python_version(), "model": os.path.basename(os.path.normpath(model)),
+           "stream_tokens": int(len(stream)), "windows": len(prompts), "prompt": args.prompt, "new": args.new,
+           "runs": []}
+    ks = [0] + [int(x) for x in args.draft_tokens.split(",")]
+    engines = {}
+    for k in ks:
+        engines[k] = jaxflash.load(model, speculative="ngram" if k else None, draft_tokens=k or 3, **kw)
+        engines[k].warm_up(serving=False)
+        run(engines[k], prompts[:1], 4)  # every program once more, outside the timing
+    # the configurations take turns window by window, so that whatever else the machine does hits them alike
+    outs = {k: [] for k in ks}
+    secs = {k: 0.0 for k in ks}
+    stats = {k: None for k in ks}
+    for p in prompts:
+        for k in ks:
+            o, dt, st = run(engines[k], [p], args.new)
+            outs[k] += o
+            secs[k] += dt
+            stats[k] = st if stats[k] is None else {n: stats[k][n] + st[n] for n in st}
+    for k in ks:
+        st = stats[k]
+        tokens = sum(len(o) for o in outs[k]) - len(outs[k])  # the first token of each window is prefill's
+        row = {"draft_tokens": k, "tokens": tokens, "decode_steps": st["decode_steps"],
+               "verify_steps": st["verify_steps"], "drafts_fed": st["drafts_fed"],
+               "drafts_kept": st["drafts_accepted"], "decode_s": secs[k], "ms_per_token": secs[k] / tokens * 1e3}
+        row["tokens_per_step"] = tokens / max(st["decode_steps"], 1)
+        row["kept_fraction"] = st["drafts_accepted"] / st["drafts_fed"] if st["drafts_fed"] else None
+        name = f"ngram K={k}" if k else "plain"
+        if k:
+            row["equal_to_plain"] = sum(a == b for a, b in zip(outs[k], outs[0]))
+            row["speedup"] = res["runs"][0]["ms_per_token"] / row["ms_per_token"]
+        res["runs"].append(row)
+        line = (f"  {name:11s}: {row['tokens_per_step']:.2f} tokens/step ({tokens} tokens, {st['decode_steps']} "
+                f"steps, {st['verify_steps']} verify), {row['ms_per_token']:.2f} ms/token")
+        if k:
+            kept = "-" if row["kept_fraction"] is None else f"{row['kept_fraction']:.0%}"
+            line += (f", drafts {st['drafts_fed']} fed / {st['drafts_accepted']} kept ({kept}), speedup "
+                     f"{row['speedup']:.2f}x, {row['equal_to_plain']}/{len(outs[k])} windows equal to plain")
+        print(line, flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "speculative.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

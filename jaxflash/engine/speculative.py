@@ -1,0 +1,76 @@
+"""Speculative decoding's drafts: n-gram (prompt lookup) proposals from each sequence's own tokens, on the device.
+
+A verify step (runner.verify_step) feeds every speculating sequence its last token and up to K drafts, and keeps
+the longest prefix that sampling accepts (sampling.verify_row) plus one more token. Its drafts come from here:
+the sequence's tokens so far sit in a device array by position (SpecState.history), and the proposal is what
+followed the latest earlier occurrence of the sequence's last n tokens (n from NGRAM_MAX down to NGRAM_MIN).
+Repetitive text (code edits, quoting, structured output, a summary of the prompt) finds long matches; new prose
+finds none and gets zero drafts, which makes its row a plain decode row. The proposal runs at the end of the
+program that produced the last token (prefill's last chunk, a decode or a verify step), so the next step's
+drafts are already on the device and steps stay overlapped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..model.base import Array, pytree_dataclass
+
+NGRAM_MAX = 3  # the longest suffix looked up
+NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a verify row)
+
+
+@pytree_dataclass
+class SpecState:
+    """Per-slot drafting state (leading axis = batch slot)."""
+
+    history: Array  # [B, W] int32: the sequence's tokens by position, its last (not yet fed) token included
+    drafts: Array  # [B, K] int32: the next verify step's drafts
+    n_draft: Array  # [B] int32: how many of them are real
+
+    @staticmethod
+    def empty(batch: int, width: int, k: int) -> SpecState:
+        return SpecState(jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, k), jnp.int32),
+                         jnp.zeros(batch, jnp.int32))
+
+
+def history_width(max_seq_len: int, chunk: int, k: int) -> int:
+    """Columns of SpecState.history: every position, plus room for the widest write (a prefill chunk or a
+    verify step's K+1 tokens) starting at the last one, so that no dynamic update is shifted by clamping."""
+    return max_seq_len + max(chunk, k + 1)
+
+
+def write(history: Array, start: Array, tokens: Array) -> Array:
+    """history [W] with tokens [n] at positions start ... start + n - 1."""
+    return lax.dynamic_update_slice_in_dim(history, tokens.astype(jnp.int32), start, axis=0)
+
+
+def propose(history: Array, last: Array, capacity: Array, k: int) -> tuple[Array, Array]:
+    """Drafts for one sequence whose tokens are history[0 .. last] (history [W] int32): (drafts [k] int32,
+    how many are real). capacity: positions the sequence may write (its KV pages); the verify step writes
+    positions last .. last + n, so n <= capacity - last - 1."""
+    w = history.shape[0]
+    pos = jnp.arange(w)
+    best = jnp.int32(-1)
+    for n in range(NGRAM_MIN, NGRAM_MAX + 1):  # longer suffixes win: later n overrides where it matches
+        match = (pos >= n - 1) & (pos < last) & (last >= n - 1)
+        for o in range(n):
+            tail = lax.dynamic_index_in_dim(history, jnp.maximum(last - o, 0), keepdims=False)
+            match &= jnp.roll(history, o) == tail  # history[j - o] == history[last - o]
+        j = jnp.max(jnp.where(match, pos, -1)).astype(jnp.int32)
+        best = jnp.where(j >= 0, j, best)
+    start = jnp.maximum(best + 1, 0)
+    drafts = lax.dynamic_slice_in_dim(jnp.concatenate([history, jnp.zeros(k, jnp.int32)]), start, k)
+    n = jnp.where(best >= 0, jnp.minimum(k, last - best), 0)  # only tokens up to `last` exist
+    n = jnp.clip(jnp.minimum(n, capacity - last - 1), 0, k)
+    return drafts, n.astype(jnp.int32)
+
+
+def propose_rows(spec: SpecState, last: Array, capacity: Array, live: Array) -> SpecState:
+    """propose() for every row: last [B] (the position of each row's last token), capacity [B], live [B]
+    (rows that decode; the others get zero drafts)."""
+    k = spec.drafts.shape[-1]
+    drafts, n = jax.vmap(lambda h, l, c: propose(h, l, c, k))(spec.history, last, capacity)
+    return SpecState(spec.history, drafts, jnp.where(live, n, 0))

@@ -1,0 +1,286 @@
+"""Speculative decoding (n-gram drafts, verify steps) against plain decoding.
+
+Greedy speculation must give plain decoding's tokens exactly: on the tiny reference model (8 layers: GDN,
+attention with QSA past its 8-token budget, PLE), with prompts whose repetitions give drafts that are kept and
+drafts that are rejected, in batches beside sequences without drafts, with stop tokens and max_new_tokens
+inside accepted drafts, with host-resident experts and a cache that evicts nearly every step, and on the
+bundled model. Sampled speculation must keep the sampling distribution: a chi-square test over 40,000 seeds
+of the acceptance rule on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test
+is deterministic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import synthetic
+from jaxflash.engine import speculative
+from jaxflash.engine.runner import Want
+from jaxflash.engine.sampling import sample_row, verify_row
+from jaxflash.tokenizer import Tokenizer
+
+from hf_reference import build_hf_model, save_checkpoint, tiny_hf_config
+from numerics import rel_err
+
+SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+
+
+def repetitive(rng, vocab, eos, n, period):
+    """A prompt repeating a random phrase of `period` tokens (no EOS): n-gram lookups find its continuation."""
+    phrase = rng.integers(0, vocab, period)
+    phrase[phrase == eos] = (eos + 1) % vocab
+    return [int(x) for x in np.resize(phrase, n)]
+
+
+@pytest.fixture(scope="module")
+def ref_dir(tmp_path_factory):
+    model = build_hf_model(tiny_hf_config(num_hidden_layers=8, indexer_n_heads=8), seed=0)
+    path = tmp_path_factory.mktemp("spec_f32")
+    save_checkpoint(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(ref_dir):
+    return (jaxflash.load(ref_dir, **SMALL),
+            jaxflash.load(ref_dir, speculative="ngram", draft_tokens=3, **SMALL))
+
+
+def prompts_of(cfg, seed=1):
+    rng = np.random.default_rng(seed)
+    rand = [int(x) for x in rng.integers(0, cfg.vocab_size, 9)]
+    rand[4] = cfg.eos_token_id  # an EOS inside the prompt: PLE n-grams start afresh there
+    return [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 30, 7), rand,
+            repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, 3)]
+
+
+def test_greedy_speculation_equals_plain(engines):
+    plain, spec = engines
+    prompts = prompts_of(plain.config)
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    want = plain.generate(prompts, **kw)
+    assert spec.generate(prompts, **kw) == want
+    st = spec.scheduler.stats
+    assert st.verify_steps > 0 and st.drafts_fed > 0  # drafts were proposed (this random model rarely repeats
+    # itself, so they are rarely kept: test_verify_steps_with_chosen_drafts... and the bundled model's test keep them)
+    for p, w in zip(prompts, want):  # and each alone (a batch of one)
+        assert spec.generate([p], **kw)[0] == w
+
+
+def test_stops_and_lengths_inside_drafts(engines):
+    """A stop token or max_new_tokens that lands inside an accepted draft ends the request there."""
+    plain, spec = engines
+    p = prompts_of(plain.config)[0]
+    full = plain.generate([p], max_new_tokens=30, ignore_eos=True)[0]
+    for n in range(1, 12):
+        assert spec.generate([p], max_new_tokens=n, ignore_eos=True)[0] == full[:n]
+    for j in range(2, 20, 3):
+        kw = dict(max_new_tokens=30, ignore_eos=True, stop=[full[j]])
+        assert spec.generate([p], **kw) == plain.generate([p], **kw)
+
+
+def _with_logprobs(engine, prompts):
+    sched = engine.scheduler
+    reqs = sched.make_requests(prompts, max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                               stop=None, eos_ids=(), ignore_eos=True)
+    for r in reqs:
+        r.logprobs = 2
+    return [(e.request.index, e.token, e.logprob) for e in sched.run(reqs) if e.token is not None]
+
+
+def test_logprobs_and_compile_counts(engines):
+    """Logprobs come from the verify steps' rows (within 1e-4 of plain decoding's, float32); after a first
+    round of requests no program compiles again."""
+    plain, spec = engines
+    prompts = prompts_of(plain.config, seed=3)
+    a, b = _with_logprobs(plain, prompts), _with_logprobs(spec, prompts)
+    assert sorted((i, t) for i, t, _ in a) == sorted((i, t) for i, t, _ in b)
+    by_req = lambda ev, i: [lp for j, _, lp in ev if j == i]  # noqa: E731
+    for i in range(len(prompts)):
+        for (c0, top0), (c1, top1) in zip(by_req(a, i), by_req(b, i)):
+            assert abs(c0 - c1) < 1e-4 and [t for t, _ in top0] == [t for t, _ in top1]
+    assert len(a) == 12 * len(prompts) and spec.scheduler.stats.verify_steps > 0
+    counts = dict(spec.scheduler.compile_counts())
+    spec.generate(prompts_of(plain.config, seed=4), max_new_tokens=20, ignore_eos=True)
+    assert spec.scheduler.compile_counts() == counts  # no program compiled again
+    assert all(v == 1 for v in counts.values()) and any(k.startswith("verify") for k in counts)
+
+
+def test_sampled_speculation_is_reproducible(engines):
+    _, spec = engines
+    prompts = prompts_of(spec.config, seed=5)
+    kw = dict(max_new_tokens=25, ignore_eos=True, temperature=0.9, top_k=20, seed=11)
+    a = spec.generate(prompts, **kw)
+    assert a == spec.generate(prompts, **kw)
+    assert all(len(x) == 25 and all(0 <= t < spec.config.vocab_size for t in x) for x in a)
+
+
+def test_host_residency_with_constant_eviction(tmp_path):
+    """Verify steps over host-resident experts (one sequence, 2 drafts: 12 slots for 16 experts, 4 per token,
+    the fewest a step of 3 rows may need) equal plain decoding with every expert on the device."""
+    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(tmp_path), progress=False)
+    on_device = jaxflash.load(tmp_path, expert_residency="device", **SMALL)
+    host = jaxflash.load(tmp_path, expert_residency="host", cache_slots=12, speculative="ngram", draft_tokens=2,
+                         **{**SMALL, "max_batch": 1})
+    cfg = host.config
+    rng = np.random.default_rng(6)
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    for _ in range(6):  # phrases of 2 to 5 tokens: some continuations repeat, and their drafts are kept
+        p = [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, int(rng.integers(2, 6)))]
+        assert host.generate(p, **kw) == on_device.generate(p, **kw)
+    st = host.scheduler.stats
+    assert st.drafts_accepted > 0 and st.expert_misses > 0.15 * st.expert_lookups  # it evicts (measured: 24% miss)
+
+
+def test_bundled_model_greedy_equals_plain():
+    kw = dict(max_batch=2, max_seq_len=256, progress=False)
+    plain = jaxflash.load(None, **kw)
+    spec = jaxflash.load(None, speculative="ngram", draft_tokens=3, **kw)
+    text = "The cat sat on the mat. The cat sat on the mat. The dog sat on the"
+    p = Tokenizer(jaxflash.DEFAULT_MODEL).encode(text)
+    want = plain.generate([p], max_new_tokens=40)
+    assert spec.generate([p], max_new_tokens=40) == want
+    assert spec.scheduler.stats.drafts_accepted > 0
+
+
+def test_bad_arguments_fail_before_loading(tmp_path):
+    for kw, msg in ((dict(speculative="mtp"), "speculative must be"), (dict(speculative="ngram", draft_tokens=0),
+                    "draft_tokens"), (dict(speculative="ngram", draft_tokens=4), "draft_tokens"),
+                    (dict(speculative="ngram", mtp_drafts=True), "mtp_drafts")):
+        with pytest.raises(ValueError, match=msg):
+            jaxflash.load(tmp_path / "missing", **kw)  # the path is never opened
+
+
+# ----- the proposer and the acceptance rule ----------------------------------------------------------------
+def test_ngram_proposal():
+    h = jnp.asarray([5, 6, 7, 8, 9, 5, 6, 7, 0, 0, 0, 0], jnp.int32)
+    d, n = speculative.propose(h, jnp.int32(7), jnp.int32(100), 3)  # last 3 tokens 5 6 7 occurred at 0..2
+    assert int(n) == 3 and list(map(int, d)) == [8, 9, 5]
+    d, n = speculative.propose(h, jnp.int32(7), jnp.int32(9), 3)  # capacity 9: positions 7, 8 only
+    assert int(n) == 1 and int(d[0]) == 8
+    d, n = speculative.propose(h, jnp.int32(4), jnp.int32(100), 3)  # 8 9 never occurred before
+    assert int(n) == 0
+    h2 = jnp.asarray([1, 2, 3, 1, 2, 4, 1, 2, 0], jnp.int32)  # "1 2" twice before: the latest wins
+    d, n = speculative.propose(h2, jnp.int32(7), jnp.int32(100), 3)
+    assert int(n) == 3 and list(map(int, d)) == [4, 1, 2]
+    h3 = jnp.asarray([7, 8, 7, 8, 0, 0, 0], jnp.int32)
+    d, n = speculative.propose(h3, jnp.int32(3), jnp.int32(100), 3)
+    assert int(n) == 2 and list(map(int, d[:2])) == [7, 8]  # only tokens up to the last one exist
+
+
+def test_verify_row_without_drafts_is_plain_sampling():
+    rng = np.random.default_rng(0)
+    for t, k, p, m in ((0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.05)):
+        for pos in range(20):
+            logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
+            toks, acc = verify_row(logits, jnp.zeros(3, jnp.int32), 0, t, k, p, m, 9, pos)
+            assert int(acc) == 0 and int(toks[0]) == int(sample_row(logits[0], t, k, p, m, 9, pos))
+
+
+def test_verify_row_greedy_keeps_the_argmax_prefix():
+    logits = jnp.asarray(np.eye(8, dtype=np.float32)[[3, 5, 1, 6]] * 5)  # argmax 3, 5, 1, 6 at positions 0..3
+    for drafts, n_draft, acc in (([3, 5, 1], 3, 3), ([3, 5, 2], 3, 2), ([4, 5, 1], 3, 0), ([3, 5, 1], 1, 1)):
+        toks, a = verify_row(logits, jnp.asarray(drafts, jnp.int32), n_draft, 0.0, 0, 1.0, 0.0, 0, 10)
+        assert int(a) == acc and list(map(int, toks[: acc + 1])) == [3, 5, 1, 6][: acc + 1]
+
+
+CHI2_999 = {4: 18.467, 2: 13.816}  # chi-square quantiles at 0.999 by degrees of freedom
+
+
+def _chi2(counts, probs):
+    keep = probs > 0
+    assert counts[~keep].sum() == 0  # nothing outside the distribution's support
+    n, c, p = counts.sum(), counts[keep], probs[keep]
+    return float(((c - n * p) ** 2 / (n * p)).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_speculative_sampling_keeps_the_distribution(top_k):
+    """Over 40,000 seeds: the first emitted token follows p0 (drafts d0 kept or not), and the second, given
+    that d0 was kept, follows p1; the acceptance rate of d0 is p0(d0)."""
+    v, n = 5, 40000
+    logits = jnp.asarray([[1.0, 0.2, -0.5, 0.7, -1.0], [0.1, -0.3, 0.9, 0.0, 0.4], [0.0] * 5], jnp.float32)
+    drafts = jnp.asarray([3, 2], jnp.int32)
+
+    def probs(row):
+        p = np.exp(np.asarray(row, np.float64) / 0.9)
+        if top_k:
+            p[np.argsort(-p)[top_k:]] = 0
+        return p / p.sum()
+
+    run = jax.jit(jax.vmap(lambda seed: verify_row(logits, drafts, 2, 0.9, top_k, 1.0, 0.0, seed, 7)))
+    toks, acc = (np.asarray(a) for a in run(jnp.arange(n, dtype=jnp.uint32)))
+    p0, p1 = probs(logits[0]), probs(logits[1])
+    stat, df = _chi2(np.bincount(toks[:, 0], minlength=v), p0)
+    assert stat < CHI2_999[df]
+    kept = toks[:, 0] == 3
+    assert np.array_equal(kept, acc >= 1)
+    stat, df = _chi2(np.bincount(toks[kept, 1], minlength=v), p1)
+    assert stat < CHI2_999[df]
+    assert abs(kept.mean() - p0[3]) < 4 * np.sqrt(p0[3] * (1 - p0[3]) / n)
+
+
+def _set_drafts(runner, drafts: np.ndarray, n_draft: np.ndarray) -> None:
+    """Put chosen drafts into the runner's state, where the proposer would have put its own."""
+    st = runner.state
+    spec = dataclasses.replace(st.spec, drafts=jnp.asarray(drafts, jnp.int32), n_draft=jnp.asarray(n_draft, jnp.int32))
+    runner._state = jax.tree.leaves(dataclasses.replace(st, spec=spec))
+
+
+def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
+    """Two sequences in one batch, fed plain decoding's own next tokens as drafts with one wrong token placed so
+    that every step keeps a different number (0 to K, and none fed): each step emits exactly plain decoding's
+    tokens, and after the steps the next decode step's logits equal plain decoding's at that position (1e-5 of
+    the largest logit, both float32): the GDN, conv, PLE and KV state moved exactly as far as the kept tokens."""
+    plain, spec = engines
+    k = spec.scheduler.runner.setup.draft_tokens
+    prompts = [prompts_of(plain.config)[0], prompts_of(plain.config)[1]]
+    ref = [plain.scheduler.step_logits(p, 40) for p in prompts]  # (tokens, logits, _): logits[i] gives tokens[i]
+    sched, runner = spec.scheduler, spec.scheduler.runner
+    reqs = sched.make_requests(prompts, max_new_tokens=60, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                               stop=None, eos_ids=(), ignore_eos=True)
+    emitted = []
+    for r in reqs:
+        sched._admit(r)
+        for _, piece, buf, last, follow in sched._chunks(r.prompt):
+            out = runner.prefill(r.slot, buf, len(piece), last, sched._all_allowed, follow).result()
+        emitted.append([int(out.tokens)])
+    try:
+        seen = set()
+        for step in range(7):
+            drafts = np.zeros((runner.setup.max_batch, k), np.int32)
+            n_draft = np.zeros(runner.setup.max_batch, np.int32)
+            want_kept = []
+            for b, r in enumerate(reqs):
+                toks = ref[b][0]
+                n = len(emitted[b])
+                drafts[r.slot] = toks[n : n + k]
+                wrong = (step + b) % (k + 2)  # where the first wrong draft goes; k + 1: none fed
+                n_draft[r.slot] = 0 if wrong == k + 1 else k
+                if wrong < k:
+                    drafts[r.slot, wrong] = (toks[n + wrong] + 1) % plain.config.vocab_size
+                want_kept.append(0 if wrong == k + 1 else min(wrong, k))
+            _set_drafts(runner, drafts, n_draft)
+            o = runner.verify(np.full(runner.setup.max_batch, k, np.int32)).result()
+            for b, r in enumerate(reqs):
+                kept = int(o.accepted[r.slot])
+                assert kept == want_kept[b] and int(o.n_draft[r.slot]) == n_draft[r.slot]
+                seen.add(kept)
+                emitted[b] += [int(t) for t in o.tokens[r.slot, : kept + 1]]
+        o = runner.decode(Want(logits=True)).result()
+    finally:
+        slots = [r.slot for r in reqs]
+        for r in reqs:
+            sched._free(r)
+    assert seen == set(range(k + 1))
+    for b, slot in enumerate(slots):
+        toks, logits, _ = ref[b]
+        n = len(emitted[b])
+        assert emitted[b] == toks[:n]
+        assert rel_err(o.logits[slot], logits[n]) < 1e-5
