@@ -207,6 +207,17 @@ def _ple_rows(setup: Setup, tokens: Array, context: Array | None, n_new: Array):
     return rows, step.context, step.info
 
 
+def _span_table(setup: Setup, page_table: Array, span: int | None) -> Array:
+    """The page-table columns of the first `span` positions (a context bucket; None: all)."""
+    return page_table if span is None else page_table[:, : span // setup.page_size]
+
+
+def _step_experts(setup: Setup, st: DecodeState):
+    """The routed experts' source of a decode or verify step: the VRAM caches, or the resident experts."""
+    return st.experts if setup.host is not None else ResidentExperts(
+        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
+
+
 def _capacity(setup: Setup, page_table: Array) -> Array:
     """Positions each row may write: its owned pages (ids below num_pages) times the page size."""
     return jnp.sum(page_table < setup.num_pages, axis=-1).astype(jnp.int32) * setup.page_size
@@ -228,12 +239,10 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     attention layers' work grows with the keys they read, not with the sequences' lengths."""
     cfg = setup.cfg
     n_new = st.active.astype(jnp.int32)
-    table = st.seqs.page_table if span is None else st.seqs.page_table[:, : span // setup.page_size]
-    batch = TokenBatch.after(st.seqs.lengths, n_new, 1, table)
+    batch = TokenBatch.after(st.seqs.lengths, n_new, 1, _span_table(setup, st.seqs.page_table, span))
     fed = st.last_token[:, None]
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
-    experts = st.experts if setup.host is not None else ResidentExperts(
-        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
+    experts = _step_experts(setup, st)
     h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
                                            setup.gdn_kernel, setup.hc_kernel)
     logits = final_logits(params, cfg, h[:, 0], setup.hc_kernel)
@@ -248,10 +257,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
         drafts = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
     spec = st.spec
     if spec is not None:  # the new token into each row's history, and the next verify step's drafts
-        hist = jax.vmap(spec_mod.write)(spec.history, lengths, jnp.where(st.active, tokens, 0)[:, None])
-        hist = jnp.where(st.active[:, None], hist, spec.history)
-        spec = spec_mod.propose_rows(SpecState(hist, spec.drafts, spec.n_draft), lengths,
-                                     _capacity(setup, st.seqs.page_table), st.active)
+        spec = spec_mod.advance(spec, lengths, tokens[:, None], lengths, _capacity(setup, st.seqs.page_table),
+                                st.active)
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, mtp=mtp,
@@ -278,13 +285,11 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     sp = st.spec
     n_draft = jnp.where(st.active, jnp.clip(jnp.minimum(sp.n_draft, caps), 0, k), 0)
     n_new = jnp.where(st.active, n_draft + 1, 0)
-    table = st.seqs.page_table if span is None else st.seqs.page_table[:, : span // setup.page_size]
-    batch = TokenBatch.after(st.seqs.lengths, n_new, k + 1, table)
+    batch = TokenBatch.after(st.seqs.lengths, n_new, k + 1, _span_table(setup, st.seqs.page_table, span))
     fed = jnp.concatenate([st.last_token[:, None], sp.drafts], axis=1)  # [B, K+1]
     ctx0 = st.seqs.ple_context
     rows, _, ple_status = _ple_rows(setup, fed, ctx0, n_new)
-    experts = st.experts if setup.host is not None else ResidentExperts(
-        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
+    experts = _step_experts(setup, st)
     h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, None,
                                             setup.gdn_kernel, setup.hc_kernel, pending=True)
     logits = final_logits(params, cfg, h, setup.hc_kernel)  # [B, K+1, V]
@@ -298,10 +303,8 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
         context = jax.vmap(lambda c, f, n: lax.dynamic_slice_in_dim(jnp.concatenate([c, f]), n, c.shape[0]))(
             ctx0, fed, keep)
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    hist = jax.vmap(spec_mod.write)(sp.history, st.seqs.lengths + 1, tokens)
-    hist = jnp.where(st.active[:, None], hist, sp.history)
-    spec = spec_mod.propose_rows(SpecState(hist, sp.drafts, sp.n_draft), lengths,
-                                 _capacity(setup, st.seqs.page_table), st.active)
+    spec = spec_mod.advance(sp, st.seqs.lengths + 1, tokens, lengths, _capacity(setup, st.seqs.page_table),
+                            st.active)
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, last_token=jnp.where(st.active, last, st.last_token),

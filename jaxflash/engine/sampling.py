@@ -76,13 +76,17 @@ def _filtered(logits: Array, temperature, top_k, top_p, min_p):
     return order, s, keep
 
 
-def sample_row(logits: Array, temperature, top_k, top_p, min_p, seed, position) -> Array:
-    """One token id from logits [V] (float32)."""
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    order, s, keep = _filtered(logits, temperature, top_k, top_p, min_p)
+def _draw(order, s, keep, greedy, temperature, seed, position) -> Array:
+    """The token at `position` from a filtered distribution (_filtered), or `greedy` at temperature 0."""
     key = jax.random.fold_in(jax.random.key(seed), position)
     choice = jax.random.categorical(key, jnp.where(keep, s, -jnp.inf))
     return jnp.where(temperature > 0, order[choice].astype(jnp.int32), greedy)
+
+
+def sample_row(logits: Array, temperature, top_k, top_p, min_p, seed, position) -> Array:
+    """One token id from logits [V] (float32)."""
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    return _draw(*_filtered(logits, temperature, top_k, top_p, min_p), greedy, temperature, seed, position)
 
 
 def verify_row(logits: Array, drafts: Array, n_draft, temperature, top_k, top_p, min_p, seed,
@@ -100,19 +104,19 @@ def verify_row(logits: Array, drafts: Array, n_draft, temperature, top_k, top_p,
     k = drafts.shape[0]
     toks, oks = [], []
     for i in range(k + 1):
-        plain = sample_row(logits[i], temperature, top_k, top_p, min_p, seed, position + i)
+        greedy = jnp.argmax(logits[i]).astype(jnp.int32)
+        order, s, keep = _filtered(logits[i], temperature, top_k, top_p, min_p)
+        plain = _draw(order, s, keep, greedy, temperature, seed, position + i)  # what sample_row draws here
         if i == k:
             toks.append(plain)
             break
         d = drafts[i]
-        order, s, keep = _filtered(logits[i], temperature, top_k, top_p, min_p)
         lp = jnp.where(keep, s, -jnp.inf)
         p_d = jnp.sum(jnp.where(order == d, jax.nn.softmax(lp), 0.0))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position + i), 1)
         u_key, r_key = jax.random.split(key)
         sampled_ok = jax.random.uniform(u_key) < p_d
         residual = order[jax.random.categorical(r_key, jnp.where(order == d, -jnp.inf, lp))].astype(jnp.int32)
-        greedy = jnp.argmax(logits[i]).astype(jnp.int32)
         ok = jnp.where(temperature > 0, sampled_ok, greedy == d) & (i < n_draft)
         # a rejected draft gives the residual draw; past the real drafts the position draws plainly
         toks.append(jnp.where(ok, d, jnp.where(i < n_draft, jnp.where(temperature > 0, residual, greedy), plain)))

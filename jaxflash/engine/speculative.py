@@ -55,7 +55,7 @@ def propose(history: Array, last: Array, capacity: Array, k: int) -> tuple[Array
     pos = jnp.arange(w)
     best = jnp.int32(-1)
     for n in range(NGRAM_MIN, NGRAM_MAX + 1):  # longer suffixes win: later n overrides where it matches
-        match = (pos >= n - 1) & (pos < last) & (last >= n - 1)
+        match = (pos >= n - 1) & (pos < last)
         for o in range(n):
             tail = lax.dynamic_index_in_dim(history, jnp.maximum(last - o, 0), keepdims=False)
             match &= jnp.roll(history, o) == tail  # history[j - o] == history[last - o]
@@ -74,3 +74,11 @@ def propose_rows(spec: SpecState, last: Array, capacity: Array, live: Array) -> 
     k = spec.drafts.shape[-1]
     drafts, n = jax.vmap(lambda h, l, c: propose(h, l, c, k))(spec.history, last, capacity)
     return SpecState(spec.history, drafts, jnp.where(live, n, 0))
+
+
+def advance(spec: SpecState, start: Array, tokens: Array, last: Array, capacity: Array, live: Array) -> SpecState:
+    """After a decode or verify step: each live row's new tokens [B, n] into its history from position start
+    [B] (rows not live keep theirs), then the next drafts (propose_rows)."""
+    hist = jax.vmap(write)(spec.history, start, tokens)
+    hist = jnp.where(live[:, None], hist, spec.history)
+    return propose_rows(SpecState(hist, spec.drafts, spec.n_draft), last, capacity, live)

@@ -64,9 +64,7 @@ def commit(p: GDNPending, n: Array | int) -> GDNState:
     g, beta = jnp.where(live, p.g, 0.0), jnp.where(live, p.beta, 0.0)
     s = p.recurrent
     for i in range(t):  # T is a few tokens: unrolled (a GPU while loop would leave the command buffer)
-        s = s * jnp.exp(g[i])[:, None, None]
-        kv = jnp.einsum("hkv,hk->hv", s, p.k[i], precision=_HI)
-        s = s + p.k[i][:, :, None] * ((p.v[i] - kv) * beta[i][:, None])[:, None, :]
+        s = _delta_update(s, p.k[i], p.v[i], g[i], beta[i])
     width = p.hist.shape[0] - t
     return GDNState(conv=lax.dynamic_slice_in_dim(p.hist, n, width, axis=0), recurrent=s)
 
@@ -164,14 +162,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     return o[:t], state
 
 
+def _delta_update(s, k_t, v_t, g_t, b_t):
+    """One token's update of the state s [Hv, dk, dv]: decay, then the delta rule."""
+    s = s * jnp.exp(g_t)[:, None, None]
+    kv = jnp.einsum("hkv,hk->hv", s, k_t, precision=_HI)
+    return s + k_t[:, :, None] * ((v_t - kv) * b_t[:, None])[:, None, :]
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """Token-by-token form (decode). Same shapes as chunk_gated_delta_rule."""
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[:, None, None]
-        kv = jnp.einsum("hkv,hk->hv", s, k_t, precision=_HI)
-        s = s + k_t[:, :, None] * ((v_t - kv) * b_t[:, None])[:, None, :]
+        s = _delta_update(s, k_t, v_t, g_t, b_t)
         return s, jnp.einsum("hkv,hk->hv", s, q_t, precision=_HI)
 
     if q.shape[0] <= UNROLL:  # decode and verify steps: no loop (a GPU while loop leaves the CUDA graph)

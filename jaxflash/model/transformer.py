@@ -146,8 +146,9 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
 
 
 def commit_layers(cfg: ModelConfig, states: tuple, keep: Array) -> tuple:
-    """The layer states after the first keep[b] (>= 1) new tokens of each sequence b, from a verify step's
-    pending states (forward_layers(pending=True)): exactly the states that feeding those tokens alone gives."""
+    """The layer states after the first keep[b] new tokens of each sequence b (0: as before the step), from a
+    verify step's pending states (forward_layers(pending=True)): exactly the states that feeding those tokens
+    alone gives."""
     out = []
     for st in states:
         mixer = st.mixer
