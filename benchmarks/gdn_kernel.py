@@ -100,11 +100,12 @@ def main(argv=None) -> int:
         o = rms_norm_gated(o.astype(dt), z[None], p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
         return o[0], hist[1:], rec
 
-    def kernel_recurrent(p, qkv_raw, z, b, a, live, conv_state, rec, warps, block_v):  # the same with the kernel
-        o, conv_state, rec = gdn_decode.recurrent_step(cfg, qkv_raw, b, a, live, p.conv1d, p.dt_bias, p.A_log,
-                                                       conv_state, rec, warps=warps, block_v=block_v)
-        o = rms_norm_gated(o[None], z[None], p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
-        return o[0], conv_state, rec
+    def kernel_recurrent(p, qkv_raw, z, b, a, conv_state, rec, warps, block_v):  # the same with the kernel
+        o, conv_state, rec = gdn_decode.recurrent_step(cfg, qkv_raw[:, 0], b, a, live[:, 0], p.conv1d,
+                                                       p.dt_bias, p.A_log, conv_state, rec, warps=warps,
+                                                       block_v=block_v)
+        o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
+        return o, conv_state, rec
 
     def recurrent_program(variant):
         def one(p, r, st):
@@ -112,8 +113,7 @@ def main(argv=None) -> int:
                 o, cs, rec = jax.vmap(lambda *t: xla_recurrent(p, *t))(r["qkv"], r["z"], r["b"], r["a"], st.conv,
                                                                        st.recurrent)
             else:
-                o, cs, rec = jax.vmap(lambda *t: kernel_recurrent(p, *t, *variant))(
-                    r["qkv"], r["z"], r["b"], r["a"], live, st.conv, st.recurrent)
+                o, cs, rec = kernel_recurrent(p, r["qkv"], r["z"], r["b"], r["a"], st.conv, st.recurrent, *variant)
             return o, gdn.GDNState(conv=cs, recurrent=rec)
 
         def run(sts, ps, raw):
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         def run(sts, ps, x):
             new = []
             for i in range(L):
-                y, s = jax.vmap(lambda xx, st: gdn.gated_deltanet(ps[i], cfg, xx, st, 1, kernel))(x, sts[i])
+                y, s = gdn.gated_deltanet_batch(ps[i], cfg, x, sts[i], jnp.ones(1, jnp.int32), kernel)
                 x = x + y.astype(dt)
                 new.append(s)
             return x, new

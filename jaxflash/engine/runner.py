@@ -35,6 +35,7 @@ from ..config import ModelConfig
 from ..model import mtp as mtp_mod
 from ..model.attention import PagedKV
 from ..model.base import Array, TokenBatch, pytree_dataclass, up
+from ..model.gated_deltanet import GDNState
 from ..model.moe import ResidentExperts
 from ..model.transformer import LayerState, Params, commit_layers, final_logits, forward_layers, init_layer_state
 from . import program_store
@@ -338,16 +339,27 @@ def _per_slot(fn, *layers: tuple) -> tuple:
 
 
 def _first_rows(st: DecodeState, rows: int) -> DecodeState:
-    """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows, shared parts
-    (KV pages, expert caches) whole."""
+    """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows; shared parts
+    (KV pages, expert caches) and the GDN recurrent states whole (the step updates their first rows in place:
+    a cut and its write-back would be two copies of 3 MB per slot and layer at full size)."""
     cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
-    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut, st.layers), sampling=cut(st.sampling),
-                               active=st.active[:rows], last_token=st.last_token[:rows], spec=cut(st.spec))
+
+    def cut_mixer(m):
+        return dataclasses.replace(m, conv=m.conv[:rows]) if isinstance(m, GDNState) else cut(m)
+
+    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut_mixer, st.layers),
+                               sampling=cut(st.sampling), active=st.active[:rows], last_token=st.last_token[:rows],
+                               spec=cut(st.spec))
 
 
 def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState:
     put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
-    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs), layers=_per_slot(put, st.layers, sub.layers),
+
+    def put_mixer(old, new):
+        return dataclasses.replace(new, conv=put(old.conv, new.conv)) if isinstance(old, GDNState) else put(old, new)
+
+    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs),
+                               layers=_per_slot(put_mixer, st.layers, sub.layers),
                                sampling=put(st.sampling, sub.sampling), active=put(st.active, sub.active),
                                last_token=put(st.last_token, sub.last_token), spec=put(st.spec, sub.spec))
 

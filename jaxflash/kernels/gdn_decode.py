@@ -1,8 +1,9 @@
 """The recurrent part of a Gated DeltaNet decode step in one kernel per layer (Pallas; Triton backend on a GPU).
 
-After the input projections (qkv, z, b, a: XLA matrix-vector products), program (h, c) of a grid of
-value heads x column blocks does, for value head h and its value columns [c BV, (c+1) BV), what
-jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen small kernels:
+After the input projections (qkv, z, b, a: XLA matrix-vector products), program (i, h, c) of a grid of
+sequences x value heads x column blocks does, for sequence i, value head h and its value columns
+[c BV, (c+1) BV), what jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen
+small kernels:
   * the causal depthwise conv over [conv state; the new row] of the columns it reads (all of q and k of key
     head h // (Hv/Hk), its block of v), SiLU, and the conv state's shift by one row (key-head columns are
     written by one program of their group, v columns by their own);
@@ -14,7 +15,10 @@ jaxflash.model.gated_deltanet does for one new token, where XLA spends about a d
 The column blocks keep a program's share of the state small (dk x BV floats: registers, not spills) and give
 the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel. The conv
 state is a fresh output, not aliased: programs of one key head's group read that head's conv rows while one
-of them writes the shifted rows, which in place would race.
+of them writes the shifted rows, which in place would race. The recurrent state may hold more rows than the
+step has sequences (a decode bucket runs the first B of the engine's slots): the kernel updates rows [0, B)
+of the whole buffer and leaves the rest, where cutting the rows out and writing them back would cost XLA two
+device copies of 3 MB per row and layer at full size.
 It rounds where the model rounds (the conv output and SiLU to the compute dtype, o at the end). Its pure-jnp
 twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the tests run
 this kernel in interpret mode).
@@ -46,7 +50,7 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
             o_ref, conv_out_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int):
     f32 = jnp.float32
     dt = o_ref.dtype
-    h, c = pl.program_id(0), pl.program_id(1)
+    h, c = pl.program_id(1), pl.program_id(2)  # axis 0: the sequence
     group = hv // hk
     j = h // group  # the key head this value head reads
     live = live_ref[0] > 0
@@ -66,7 +70,7 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
         for r in range(width - 1):
             conv_out_ref[r, pl.ds(start, n)] = jnp.where(live, rows[r + 1], rows[r])
 
-    v_start = 2 * kd + h * (bv * pl.num_programs(1)) + c * bv
+    v_start = 2 * kd + h * (bv * pl.num_programs(2)) + c * bv
     q, q_rows = conv(j * dk, dk)
     k, k_rows = conv(kd + j * dk, dk)
     v, v_rows = conv(v_start, bv)
@@ -96,11 +100,13 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
 def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: Array, conv_w: Array,
                    dt_bias: Array, a_log: Array, conv_state: Array, recurrent: Array, *,
                    interpret: bool | None = None, warps: int = 4, block_v: int = 32):
-    """One token of one sequence: qkv_raw [1, C], b and a [Hv], live [1] int32 (0: a padding token), the
-    layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [K-1, C], recurrent [Hv, dk, dv] float32 ->
-    (o [Hv, dv] before the gated norm, the new conv state, the new recurrent state). Batches: jax.vmap.
-    interpret: run in Pallas interpret mode (default: on anything but a GPU); block_v: value columns per program
-    (clipped to dv)."""
+    """One token of each of B sequences: qkv_raw [B, C], b and a [B, Hv], live [B] int32 (0: a padding token),
+    the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [B, K-1, C], recurrent [N, Hv, dk, dv]
+    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new conv state [B, K-1, C], the new
+    recurrent state [N, ...]). Sequence i owns recurrent row i; rows B..N-1 (the slots outside a decode
+    bucket) stay as they are. The buffer is updated in place, so no rows are cut out and written back (at full
+    size a row is 3 MB per layer). interpret: run in Pallas interpret mode (default: on anything but a GPU);
+    block_v: value columns per program (clipped to dv)."""
     return _recurrent_step(cfg, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
                            block_v=min(block_v, cfg.linear_value_head_dim))
@@ -113,14 +119,29 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if dv % block_v:
         raise ValueError(f"block_v {block_v} does not divide the value head dim {dv}")
+    rows = qkv_raw.shape[0]
+    if recurrent.shape[0] < rows:
+        raise ValueError(f"a recurrent state of {recurrent.shape[0]} rows for {rows} sequences")
     kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, bv=block_v, width=cfg.linear_conv_kernel_dim)
+
+    def seq(shape):  # sequence i's block of a per-sequence array, its leading axis squeezed
+        return pl.BlockSpec((None,) + shape, lambda i, h, c: (i,) + (0,) * len(shape))
+
+    def whole(shape):  # a weight every program reads whole
+        return pl.BlockSpec(shape, lambda i, h, c: (0,) * len(shape))
+
+    c_dim = qkv_raw.shape[1]
+    conv_spec, rec_spec = seq(conv_state.shape[1:]), seq(recurrent.shape[1:])
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((hv, dv), qkv_raw.dtype),
+        out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), qkv_raw.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
-        grid=(hv, dv // block_v),
+        grid=(rows, hv, dv // block_v),
+        in_specs=[seq((1, c_dim)), seq((hv,)), seq((hv,)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape),
+                  whole(a_log.shape), conv_spec, rec_spec],
+        out_specs=(seq((hv, dv)), conv_spec, rec_spec),
         input_output_aliases={8: 2},
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="gdn_decode",
-    )(qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent)
+    )(qkv_raw[:, None], b, a, live[:, None], conv_w, dt_bias, a_log, conv_state, recurrent)

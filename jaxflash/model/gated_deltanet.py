@@ -3,10 +3,14 @@
 Per value head h the state S_h [dk, dv] evolves as
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 Prefill uses the chunked (WY / UT-transform) form, which turns 64 sequential updates into a few matmuls;
-decode and verify steps (up to UNROLL tokens) use the recurrence directly. Both run in float32 (float64 for a float64 model).
+decode and verify steps (up to UNROLL tokens) use the recurrence directly. Both run in float32 (float64 for a
+float64 model). Decode steps on a GPU run the recurrence in a kernel (jaxflash.kernels.gdn_decode), whose twin
+is this module's code.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -188,12 +192,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 
 def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState,
-                   n_valid: Array | int | None = None, kernel: bool = False,
+                   n_valid: Array | int | None = None,
                    pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
-    """x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the state as it was.
-    kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on a GPU,
-    interpreted elsewhere); this function's own code is that kernel's twin. pending: return a GDNPending
-    instead of the new state (a verify step: `commit` then keeps the accepted tokens)."""
+    """One sequence: x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the
+    state as it was. pending: return a GDNPending instead of the new state (a verify step: `commit` then keeps
+    the accepted tokens). This code is also the twin of the decode kernel (see gated_deltanet_batch)."""
     t = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -203,14 +206,6 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     z = linear(x, p.in_proj_z).reshape(t, hv, dv)
     b = linear(x, p.in_proj_b)
     a = linear(x, p.in_proj_a)
-
-    if kernel and t == 1 and not pending:
-        live = (jnp.asarray(1 if n_valid is None else n_valid) > 0).astype(jnp.int32).reshape(1)
-        o, conv_state, recurrent = gdn_decode.recurrent_step(
-            cfg, qkv_raw, b[0], a[0], live, p.conv1d, p.dt_bias, p.A_log, state.conv.astype(x.dtype),
-            state.recurrent)
-        o = rms_norm_gated(o[None], z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
-        return linear(o.reshape(1, hv * dv), p.out_proj), GDNState(conv=conv_state, recurrent=recurrent)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
     qkv = silu(up(conv_out)).astype(x.dtype)
@@ -241,3 +236,46 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     start = t if n_valid is None else n_valid
     conv_state = lax.dynamic_slice_in_dim(hist, start, width, axis=0)
     return y, GDNState(conv=conv_state, recurrent=recurrent)
+
+
+def gated_deltanet_batch(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState, n_valid: Array,
+                         kernel: bool = False, pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
+    """gated_deltanet over B sequences: x [B, T, H], n_valid [B], state.conv [B, K-1, C] and state.recurrent
+    [N, Hv, dk, dv] with N >= B. Sequence i owns recurrent row i; rows B..N-1 (the engine's slots outside a
+    decode bucket) come back as they were. kernel: a decode step (T = 1) runs its recurrent part in
+    jaxflash.kernels.gdn_decode (compiled on a GPU, interpreted elsewhere), which updates rows [0, B) of the
+    whole state in place. pending: a GDNPending whose recurrent state is the whole one before the step
+    (commit_batch then writes the kept rows)."""
+    b, t = x.shape[:2]
+    whole = state.recurrent
+    if kernel and t == 1 and not pending:
+        return _decode_kernel(p, cfg, x[:, 0], state, n_valid)
+    rows = GDNState(conv=state.conv, recurrent=whole[:b])
+    y, new = jax.vmap(lambda xx, st, n: gated_deltanet(p, cfg, xx, st, n, pending))(x, rows, n_valid)
+    if pending:
+        return y, dataclasses.replace(new, recurrent=whole)
+    return y, GDNState(conv=new.conv, recurrent=_put_rows(whole, new.recurrent))
+
+
+def commit_batch(p: GDNPending, keep: Array) -> GDNState:
+    """`commit` for B sequences of a gated_deltanet_batch verify step: keep [B] tokens each."""
+    b = keep.shape[0]
+    new = jax.vmap(commit)(dataclasses.replace(p, recurrent=p.recurrent[:b]), keep)
+    return GDNState(conv=new.conv, recurrent=_put_rows(p.recurrent, new.recurrent))
+
+
+def _put_rows(whole: Array, rows: Array) -> Array:
+    return rows if rows.shape == whole.shape else whole.at[: rows.shape[0]].set(rows)
+
+
+def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState, n_valid: Array):
+    """One token per sequence, x [B, H], through the decode kernel between the projections."""
+    b = x.shape[0]
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    live = (n_valid > 0).astype(jnp.int32)
+    o, conv, recurrent = gdn_decode.recurrent_step(
+        cfg, linear(x, p.in_proj_qkv), linear(x, p.in_proj_b), linear(x, p.in_proj_a), live, p.conv1d, p.dt_bias,
+        p.A_log, state.conv.astype(x.dtype), state.recurrent)
+    z = linear(x, p.in_proj_z).reshape(b, hv, dv)
+    o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
+    return linear(o.reshape(b, hv * dv), p.out_proj)[:, None], GDNState(conv=conv, recurrent=recurrent)

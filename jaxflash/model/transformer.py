@@ -110,8 +110,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
         else:
-            y, mixer = jax.vmap(lambda xx, st, n: gdn.gated_deltanet(layer.mixer, cfg, xx, st, n, gdn_kernel,
-                                                                     pending))(x, state.mixer, n_new)
+            y, mixer = gdn.gated_deltanet_batch(layer.mixer, cfg, x, state.mixer, n_new, gdn_kernel, pending)
         with jax.named_scope("hyper_connection"):
             h = hc.combine(h, inj, y)
 
@@ -153,7 +152,7 @@ def commit_layers(cfg: ModelConfig, states: tuple, keep: Array) -> tuple:
     for st in states:
         mixer = st.mixer
         if isinstance(mixer, gdn.GDNPending):
-            mixer = jax.vmap(gdn.commit)(mixer, keep)
+            mixer = gdn.commit_batch(mixer, keep)
         ple_conv = st.ple_conv
         if ple_conv is not None:
             ple_conv = jax.vmap(lambda hist, n: ple_mod.commit(hist, cfg, n))(ple_conv, keep)
