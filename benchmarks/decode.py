@@ -92,6 +92,67 @@ class StreamRouting:
         return np.stack([self._take(s, 1)[:, 0] for s in range(batch)], axis=1)
 
 
+@dataclasses.dataclass
+class Model:
+    """The full-size synthetic model in memory: dense weights on the device, the routed experts in a pinned host
+    pool, the n-gram table in a file the PLE host step maps."""
+
+    cfg: object
+    params: object  # without the routed experts
+    pool: object  # ffi.ExpertPool
+    layout: object  # ffi.ExpertLayout
+    ngram: tuple  # (ffi.NgramTable, its scale)
+    mb: object  # planner.ModelBytes
+    dense: int  # bytes of params
+
+
+def build_model(cfg, args, max_tokens: int) -> Model:
+    """cfg's seeded random model (args.seed, args.dtype, args.distinct_layers); max_tokens: the most token rows
+    one program hashes in the PLE host step (a prefill chunk, or a step's rows)."""
+    import jax
+    import numpy as np
+
+    from jaxflash import ffi
+    from jaxflash.engine import planner
+    from jaxflash.model.weights import load_params
+    from jaxflash.synthetic import SyntheticSource
+
+    src = SyntheticSource(cfg, seed=args.seed)
+    t0 = time.perf_counter()
+    params = load_params(src, cfg, args.dtype, routed_experts=False)
+    jax.block_until_ready(params)
+    dense = sum(x.nbytes for x in jax.tree.leaves(params))
+    layout = ffi.ExpertLayout.from_config(cfg, "nvfp4")
+    pool = ffi.ExpertPool(layout, cfg.num_hidden_layers, cfg.num_experts)
+    fill_pool(pool, src, cfg, min(args.distinct_layers, cfg.num_hidden_layers))
+    log(f"dense weights {dense / 2**30:.2f} GiB on the device; expert pool {pool.nbytes / 2**30:.2f} GiB on the "
+        f"host, pinned={pool.pinned} ({time.perf_counter() - t0:.0f} s)")
+    table_np = src.ngram_table()
+    path = os.path.join(tempfile.mkdtemp(prefix="jaxflash_ngram_"), "ngram.bin")
+    with open(path, "wb") as f:
+        for shard in table_np.shards:
+            f.write(np.ascontiguousarray(shard).tobytes())
+    table = ffi.NgramTable([(path, 0, table_np.rows)], head_dim=table_np.dim, dtype=table_np.dtype,
+                           heads=cfg.num_ngram_heads, max_tokens=max_tokens)
+    mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
+    return Model(cfg, params, pool, layout, (table, table_np.scale), mb, dense)
+
+
+def device_resident(model: Model):
+    """model's params with every layer's routed experts on the device (the pool's records, viewed as NVFP4)."""
+    import jax
+
+    from jaxflash.engine.experts import records_as_experts
+
+    layers = []
+    for i, layer in enumerate(model.params.layers):
+        ex = records_as_experts(model.layout, jax.device_put(model.pool.array[i]))
+        layers.append(dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, experts=ex)))
+    params = dataclasses.replace(model.params, layers=tuple(layers))
+    jax.block_until_ready(params)
+    return params
+
+
 def gather_bandwidth(pool, layout, misses: int) -> float | None:
     """GB/s of the zero-copy gather kernel copying `misses` random records from the pool (CUDA events, outside
     XLA; None without the CUDA module)."""
@@ -115,7 +176,6 @@ def gather_bandwidth(pool, layout, misses: int) -> float | None:
 def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     """Decode `prompts` (one per slot) for args.steps steps; then trace args.trace_steps more steps."""
     import jax
-    import numpy as np
 
     import trace_parts
     from jaxflash.engine.runner import Want
@@ -276,12 +336,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxflash import ffi
     from jaxflash.engine import Engine, planner
-    from jaxflash.engine.experts import HostExperts, records_as_experts
+    from jaxflash.engine.experts import HostExperts
     from jaxflash.engine.runner import Want
-    from jaxflash.model.weights import load_params
-    from jaxflash.synthetic import SyntheticSource, make_config
+    from jaxflash.synthetic import make_config
 
     out_dir = args.out = args.out or tempfile.mkdtemp(prefix="jaxflash_decode_")
     os.makedirs(out_dir, exist_ok=True)
@@ -299,28 +357,9 @@ def main(argv=None) -> int:
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "
         f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.dtype}")
 
-    src = SyntheticSource(cfg, seed=args.seed)
-    t0 = time.perf_counter()
-    params = load_params(src, cfg, args.dtype, routed_experts=False)
-    jax.block_until_ready(params)
-    dense = sum(x.nbytes for x in jax.tree.leaves(params))
-    layout = ffi.ExpertLayout.from_config(cfg, "nvfp4")
-    pool = ffi.ExpertPool(layout, cfg.num_hidden_layers, cfg.num_experts)
-    fill_pool(pool, src, cfg, min(args.distinct_layers, cfg.num_hidden_layers))
-    log(f"dense weights {dense / 2**30:.2f} GiB on the device; expert pool {pool.nbytes / 2**30:.2f} GiB on the "
-        f"host, pinned={pool.pinned} ({time.perf_counter() - t0:.0f} s)")
-    res.update(pool_gib=pool.nbytes / 2**30, pool_pinned=pool.pinned, dense_gib=dense / 2**30)
-
-    table_np = src.ngram_table()
-    path = os.path.join(tempfile.mkdtemp(prefix="jaxflash_ngram_"), "ngram.bin")
-    with open(path, "wb") as f:
-        for shard in table_np.shards:
-            f.write(np.ascontiguousarray(shard).tobytes())
-    table = ffi.NgramTable([(path, 0, table_np.rows)], head_dim=table_np.dim, dtype=table_np.dtype,
-                           heads=cfg.num_ngram_heads,
-                           max_tokens=max(args.prefill_chunk, max(batches), max(max_batches)))
-    ngram = (table, table_np.scale)
-    mb = planner.ModelBytes(dense, pool.nbytes, layout.record_bytes)
+    model = build_model(cfg, args, max_tokens=max(args.prefill_chunk, max(batches), max(max_batches)))
+    res.update(pool_gib=model.pool.nbytes / 2**30, pool_pinned=model.pool.pinned, dense_gib=model.dense / 2**30)
+    params, pool, layout, ngram, mb = model.params, model.pool, model.layout, model.ngram, model.mb
     rng = np.random.default_rng(1)
 
     # Plan every configuration first, from the device's free memory before anything big is allocated; each
@@ -351,14 +390,7 @@ def main(argv=None) -> int:
             continue
         configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False,
                         {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on"))
-    device_params = None
-    if "device" in modes:
-        layers = []
-        for i, layer in enumerate(params.layers):  # [E, R] records on the device, viewed as NVFP4 experts
-            ex = records_as_experts(layout, jax.device_put(pool.array[i]))
-            layers.append(dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, experts=ex)))
-        device_params = dataclasses.replace(params, layers=tuple(layers))
-        jax.block_until_ready(device_params)
+    device_params = device_resident(model) if "device" in modes else None
 
     engines = []
     for name, mode, batch, routing, plan, expert_kernel, gdn_kernel, hc_kernel in configs:
