@@ -2,14 +2,15 @@
 token, and inside the engine's decode steps.
 
 On the CPU the kernel runs in Pallas interpret mode. Inputs: random weights and states, batches holding a
-padding row (whose states must stay exactly as they were), a recurrent state with more rows than the step
-has sequences (the others must stay too), key heads shared by 2 and 3 value heads, both
+padding row (whose states must stay exactly as they were), states with more rows than the step has
+sequences (the others must stay too), key heads shared by 2 and 3 value heads, both
 output gates. Tolerances, relative to the largest value: float32 1e-5 (the kernel sums S^T k and S^T q in
 another order than XLA's einsum; measured 2e-7); bfloat16 outputs 8e-3 (two bf16 ulps, should a sum land on
 the other side of a rounding; measured 0), the float32 states 1e-5. Compiled on a GPU, XLA keeps the twin's
 bfloat16 intermediates (the conv output, SiLU) in float32 where it fuses them (its default
 xla_allow_excess_precision) while the kernel rounds them as the model does, so there the bfloat16 case's
-states may differ by the effect of one bf16 rounding of q, k, v: 4e-3 (measured 4e-4 on the H200).
+states may differ by the effect of one bf16 rounding of q, k, v: 4e-3 (measured 4e-4 on the H200); so may
+the batched twin's from the per-sequence code's, which XLA fuses another way (measured 3.5e-4).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def test_decode_step_matches_twin(dt, heads, gate, block_v, monkeypatch):
     p = random_layer(rng, cfg, dt)
     b, k = 3, cfg.linear_conv_kernel_dim
     x = jnp.asarray(rng.normal(size=(b, 1, cfg.hidden_size)), dt)
-    # the recurrent state holds 2 more rows than the step has sequences (slots outside a decode bucket)
-    st = gdn.GDNState(conv=jnp.asarray(rng.normal(size=(b, k - 1, cfg.linear_conv_dim)), dt),
+    # the states hold 2 more rows than the step has sequences (slots outside a decode bucket)
+    st = gdn.GDNState(conv=jnp.asarray(rng.normal(size=(b + 2, k - 1, cfg.linear_conv_dim)), dt),
                       recurrent=jnp.asarray(rng.normal(size=(b + 2, hv, cfg.linear_key_head_dim,
                                                              cfg.linear_value_head_dim)) * 0.5, jnp.float32))
     n = jnp.asarray([1, 0, 1])  # row 1 is padding
@@ -64,7 +65,7 @@ def test_decode_step_matches_twin(dt, heads, gate, block_v, monkeypatch):
 
     (y0, s0), (y1, s1) = run(False), run(True)
     assert y1.shape == y0.shape and y1.dtype == y0.dtype
-    assert s1.recurrent.shape == s0.recurrent.shape == st.recurrent.shape
+    assert s1.recurrent.shape == s0.recurrent.shape == st.recurrent.shape and s1.conv.shape == st.conv.shape
     assert rel_err(y1, y0) < (1e-5 if dt == jnp.float32 else 8e-3)
     excess_precision = dt == jnp.bfloat16 and on_gpu()
     assert rel_err(s1.recurrent, s0.recurrent) < (4e-3 if excess_precision else 1e-5)
@@ -72,13 +73,13 @@ def test_decode_step_matches_twin(dt, heads, gate, block_v, monkeypatch):
     for s in (s0, s1):  # padding row 1 and rows 3, 4 outside the step: unchanged
         for row in (1, 3, 4):
             np.testing.assert_array_equal(np.asarray(s.recurrent[row]), np.asarray(st.recurrent[row]))
-        np.testing.assert_array_equal(np.asarray(s.conv[1], np.float32), np.asarray(st.conv[1], np.float32))
+            np.testing.assert_array_equal(np.asarray(s.conv[row], np.float32), np.asarray(st.conv[row], np.float32))
     # the batch's rows are the per-sequence model code's
     one = jax.jit(lambda xx, s, nn: gdn.gated_deltanet(p, cfg, xx, s, nn))
     for i in (0, 2):
         yi, si = one(x[i], gdn.GDNState(conv=st.conv[i], recurrent=st.recurrent[i]), n[i])
         assert rel_err(y0[i], yi) < (1e-6 if dt == jnp.float32 else 8e-3)
-        assert rel_err(s0.recurrent[i], si.recurrent) < 1e-6
+        assert rel_err(s0.recurrent[i], si.recurrent) < (4e-3 if excess_precision else 1e-6)
 
 
 def test_takes():
@@ -91,11 +92,15 @@ def test_takes():
         gdn_decode.recurrent_step(cfg, jnp.zeros((1, c)), jnp.zeros((1, 4)), jnp.zeros((1, 4)),
                                   jnp.ones(1, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
                                   jnp.zeros((1, 3, c)), jnp.zeros((1, 4, 16, 16)), block_v=6)
-    with pytest.raises(ValueError, match="2 sequences"):
+    with pytest.raises(ValueError, match="for 2 sequences"):
         c = cfg.linear_conv_dim
         gdn_decode.recurrent_step(cfg, jnp.zeros((2, c)), jnp.zeros((2, 4)), jnp.zeros((2, 4)),
                                   jnp.ones(2, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
                                   jnp.zeros((2, 3, c)), jnp.zeros((1, 4, 16, 16)))
+    with pytest.raises(ValueError, match="for 2 sequences"):
+        gdn_decode.recurrent_step(cfg, jnp.zeros((2, c)), jnp.zeros((2, 4)), jnp.zeros((2, 4)),
+                                  jnp.ones(2, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
+                                  jnp.zeros((1, 3, c)), jnp.zeros((2, 4, 16, 16)))
     assert gdn_decode.takes(presets.preset("full"), jnp.bfloat16)
 
 

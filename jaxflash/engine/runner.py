@@ -340,12 +340,13 @@ def _per_slot(fn, *layers: tuple) -> tuple:
 
 def _first_rows(st: DecodeState, rows: int) -> DecodeState:
     """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows; shared parts
-    (KV pages, expert caches) and the GDN recurrent states whole (the step updates their first rows in place:
-    a cut and its write-back would be two copies of 3 MB per slot and layer at full size)."""
+    (KV pages, expert caches) and the GDN states whole: the step reads and updates their first rows in place
+    (gated_deltanet_batch), where a cut and its write-back would be device copies outside the CUDA graph, two
+    per GDN layer and step (3 MB per slot for a recurrent state at full size)."""
     cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
 
     def cut_mixer(m):
-        return dataclasses.replace(m, conv=m.conv[:rows]) if isinstance(m, GDNState) else cut(m)
+        return m if isinstance(m, GDNState) else cut(m)
 
     return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut_mixer, st.layers),
                                sampling=cut(st.sampling), active=st.active[:rows], last_token=st.last_token[:rows],
@@ -356,7 +357,7 @@ def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState
     put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
 
     def put_mixer(old, new):
-        return dataclasses.replace(new, conv=put(old.conv, new.conv)) if isinstance(old, GDNState) else put(old, new)
+        return new if isinstance(old, GDNState) else put(old, new)
 
     return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs),
                                layers=_per_slot(put_mixer, st.layers, sub.layers),

@@ -15,10 +15,10 @@ small kernels:
 The column blocks keep a program's share of the state small (dk x BV floats: registers, not spills) and give
 the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel. The conv
 state is a fresh output, not aliased: programs of one key head's group read that head's conv rows while one
-of them writes the shifted rows, which in place would race. The recurrent state may hold more rows than the
-step has sequences (a decode bucket runs the first B of the engine's slots): the kernel updates rows [0, B)
-of the whole buffer and leaves the rest, where cutting the rows out and writing them back would cost XLA two
-device copies of 3 MB per row and layer at full size.
+of them writes the shifted rows, which in place would race. The states may hold more rows than the step has
+sequences (a decode bucket runs the first B of the engine's slots): the kernel reads rows [0, B) of the whole
+buffers and updates the recurrent rows in place, where cutting the rows out would cost XLA a device copy per
+layer and state (3 MB per row for the recurrent one at full size) and the write-back another.
 It rounds where the model rounds (the conv output and SiLU to the compute dtype, o at the end). Its pure-jnp
 twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the tests run
 this kernel in interpret mode).
@@ -101,12 +101,13 @@ def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: A
                    dt_bias: Array, a_log: Array, conv_state: Array, recurrent: Array, *,
                    interpret: bool | None = None, warps: int = 4, block_v: int = 32):
     """One token of each of B sequences: qkv_raw [B, C], b and a [B, Hv], live [B] int32 (0: a padding token),
-    the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [B, K-1, C], recurrent [N, Hv, dk, dv]
-    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new conv state [B, K-1, C], the new
-    recurrent state [N, ...]). Sequence i owns recurrent row i; rows B..N-1 (the slots outside a decode
-    bucket) stay as they are. The buffer is updated in place, so no rows are cut out and written back (at full
-    size a row is 3 MB per layer). interpret: run in Pallas interpret mode (default: on anything but a GPU);
-    block_v: value columns per program (clipped to dv)."""
+    the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [N, K-1, C], recurrent [N, Hv, dk, dv]
+    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new conv states [B, K-1, C], the new
+    recurrent state [N, ...]). Sequence i owns row i of both states; rows B..N-1 (the slots outside a decode
+    bucket) are not read, and the recurrent ones stay as they are: that buffer is updated in place. So no rows
+    are cut out of the states first (XLA would copy them: a recurrent row is 3 MB per layer at full size).
+    interpret: run in Pallas interpret mode (default: on anything but a GPU); block_v: value columns per
+    program (clipped to dv)."""
     return _recurrent_step(cfg, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
                            block_v=min(block_v, cfg.linear_value_head_dim))
@@ -120,8 +121,8 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
     if dv % block_v:
         raise ValueError(f"block_v {block_v} does not divide the value head dim {dv}")
     rows = qkv_raw.shape[0]
-    if recurrent.shape[0] < rows:
-        raise ValueError(f"a recurrent state of {recurrent.shape[0]} rows for {rows} sequences")
+    if min(conv_state.shape[0], recurrent.shape[0]) < rows:
+        raise ValueError(f"states of {conv_state.shape[0]} and {recurrent.shape[0]} rows for {rows} sequences")
     kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, bv=block_v, width=cfg.linear_conv_kernel_dim)
 
     def seq(shape):  # sequence i's block of a per-sequence array, its leading axis squeezed
@@ -135,7 +136,7 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), qkv_raw.dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct((rows,) + conv_state.shape[1:], conv_state.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
         grid=(rows, hv, dv // block_v),
         in_specs=[seq((1, c_dim)), seq((hv,)), seq((hv,)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape),

@@ -57,6 +57,7 @@ class GDNPending:
     g: Array  # [T, Hv]
     beta: Array  # [T, Hv]
     recurrent: Array  # [Hv, dk, dv]: the recurrent state before the step
+    conv: Array  # [K-1, conv_dim]: the conv state before the step (in a batch: all rows, see commit_batch)
 
 
 def commit(p: GDNPending, n: Array | int) -> GDNState:
@@ -230,7 +231,7 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     o = rms_norm_gated(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(t, hv * dv), p.out_proj)
     if pending:
-        return y, GDNPending(hist=hist, k=k, v=v, g=g, beta=beta, recurrent=state.recurrent)
+        return y, GDNPending(hist=hist, k=k, v=v, g=g, beta=beta, recurrent=state.recurrent, conv=state.conv)
 
     width = cfg.linear_conv_kernel_dim - 1
     start = t if n_valid is None else n_valid
@@ -240,32 +241,35 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
 
 def gated_deltanet_batch(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState, n_valid: Array,
                          kernel: bool = False, pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
-    """gated_deltanet over B sequences: x [B, T, H], n_valid [B], state.conv [B, K-1, C] and state.recurrent
-    [N, Hv, dk, dv] with N >= B. Sequence i owns recurrent row i; rows B..N-1 (the engine's slots outside a
-    decode bucket) come back as they were. kernel: a decode step (T = 1) runs its recurrent part in
-    jaxflash.kernels.gdn_decode (compiled on a GPU, interpreted elsewhere), which updates rows [0, B) of the
-    whole state in place. pending: a GDNPending whose recurrent state is the whole one before the step
+    """gated_deltanet over B sequences: x [B, T, H], n_valid [B], a state of N >= B rows (conv [N, K-1, C],
+    recurrent [N, Hv, dk, dv]). Sequence i owns row i; rows B..N-1 (the engine's slots outside a decode
+    bucket) come back as they were, so a bucket never cuts its rows out of the whole state (see the decode
+    kernel). kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on
+    a GPU, interpreted elsewhere). pending: a GDNPending whose states before the step are the whole ones
     (commit_batch then writes the kept rows)."""
     b, t = x.shape[:2]
-    whole = state.recurrent
     if kernel and t == 1 and not pending:
         return _decode_kernel(p, cfg, x[:, 0], state, n_valid)
-    rows = GDNState(conv=state.conv, recurrent=whole[:b])
+    rows = GDNState(conv=state.conv[:b], recurrent=state.recurrent[:b])
     y, new = jax.vmap(lambda xx, st, n: gated_deltanet(p, cfg, xx, st, n, pending))(x, rows, n_valid)
     if pending:
-        return y, dataclasses.replace(new, recurrent=whole)
-    return y, GDNState(conv=new.conv, recurrent=_put_rows(whole, new.recurrent))
+        return y, dataclasses.replace(new, recurrent=state.recurrent, conv=state.conv)
+    return y, _put_rows(state, new)
 
 
 def commit_batch(p: GDNPending, keep: Array) -> GDNState:
     """`commit` for B sequences of a gated_deltanet_batch verify step: keep [B] tokens each."""
     b = keep.shape[0]
-    new = jax.vmap(commit)(dataclasses.replace(p, recurrent=p.recurrent[:b]), keep)
-    return GDNState(conv=new.conv, recurrent=_put_rows(p.recurrent, new.recurrent))
+    new = jax.vmap(commit)(dataclasses.replace(p, recurrent=p.recurrent[:b], conv=p.conv[:b]), keep)
+    return _put_rows(GDNState(conv=p.conv, recurrent=p.recurrent), new)
 
 
-def _put_rows(whole: Array, rows: Array) -> Array:
-    return rows if rows.shape == whole.shape else whole.at[: rows.shape[0]].set(rows)
+def _put_rows(whole: GDNState, rows: GDNState) -> GDNState:
+    """whole with its first rows replaced by `rows` (in place in a program that donates it)."""
+    def put(w, r):
+        return r.astype(w.dtype) if r.shape == w.shape else w.at[: r.shape[0]].set(r.astype(w.dtype))
+
+    return GDNState(conv=put(whole.conv, rows.conv), recurrent=put(whole.recurrent, rows.recurrent))
 
 
 def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState, n_valid: Array):
@@ -278,4 +282,5 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
         p.A_log, state.conv.astype(x.dtype), state.recurrent)
     z = linear(x, p.in_proj_z).reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
-    return linear(o.reshape(b, hv * dv), p.out_proj)[:, None], GDNState(conv=conv, recurrent=recurrent)
+    y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]
+    return y, _put_rows(state, GDNState(conv=conv, recurrent=recurrent))
