@@ -101,9 +101,9 @@ def main(argv=None) -> int:
         return o[0], hist[1:], rec
 
     def kernel_recurrent(p, qkv_raw, z, b, a, conv_state, rec, warps, block_v):  # the same with the kernel
-        o, conv_state, rec = gdn_decode.recurrent_step(cfg, qkv_raw[:, 0], b, a, live[:, 0], p.conv1d,
-                                                       p.dt_bias, p.A_log, conv_state, rec, warps=warps,
-                                                       block_v=block_v)
+        o, rec = gdn_decode.recurrent_step(cfg, qkv_raw[:, 0], b, a, live[:, 0], p.conv1d, p.dt_bias, p.A_log,
+                                           conv_state, rec, warps=warps, block_v=block_v)
+        conv_state = jnp.concatenate([conv_state[:, 1:], qkv_raw], axis=1)  # the shift, as the model does it
         o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
         return o, conv_state, rec
 

@@ -5,8 +5,7 @@ sequences x value heads x column blocks does, for sequence i, value head h and i
 [c BV, (c+1) BV), what jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen
 small kernels:
   * the causal depthwise conv over [conv state; the new row] of the columns it reads (all of q and k of key
-    head h // (Hv/Hk), its block of v), SiLU, and the conv state's shift by one row (key-head columns are
-    written by one program of their group, v columns by their own);
+    head h // (Hv/Hk), its block of v) and SiLU;
   * beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias), both 0 for a padding token, whose
     state then stays as it was;
   * the l2norm of q (times dk^-1/2) and of k, and the delta rule on its [dk, BV] block of the float32 state
@@ -14,11 +13,14 @@ small kernels:
         S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q.
 The column blocks keep a program's share of the state small (dk x BV floats: registers, not spills) and give
 the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel. The conv
-state is a fresh output, not aliased: programs of one key head's group read that head's conv rows while one
-of them writes the shifted rows, which in place would race. The states may hold more rows than the step has
-sequences (a decode bucket runs the first B of the engine's slots): the kernel reads rows [0, B) of the whole
-buffers and updates the recurrent rows in place, where cutting the rows out would cost XLA a device copy per
-layer and state (3 MB per row for the recurrent one at full size) and the write-back another.
+state's shift by one row also stays in XLA (gated_deltanet's _decode_kernel), as an in-place update of the
+state's rows fused with the computation of the new rows: in the kernel, programs of one key head's group
+read that head's conv rows while one of them would write the shifted rows (a race in place), and a fresh
+output would cost XLA a device copy per layer to put it back into the whole state. The states may hold more
+rows than the step has sequences (a decode bucket runs the first B of the engine's slots): the kernel reads
+rows [0, B) of the whole buffers and updates the recurrent rows in place, where cutting the rows out would
+cost a device copy per layer and state (3 MB per row for the recurrent one at full size) and the write-back
+another, outside the CUDA graph.
 It rounds where the model rounds (the conv output and SiLU to the compute dtype, o at the end). Its pure-jnp
 twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the tests run
 this kernel in interpret mode).
@@ -47,7 +49,7 @@ def takes(cfg: ModelConfig, dtype) -> bool:
 
 
 def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref,
-            o_ref, conv_out_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int):
+            o_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int):
     f32 = jnp.float32
     dt = o_ref.dtype
     h, c = pl.program_id(1), pl.program_id(2)  # axis 0: the sequence
@@ -57,29 +59,19 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
     kd = hk * dk
 
     def conv(start, n):
-        """SiLU(conv) of columns [start, start + n), rounded as the model rounds, and the rows [state; new]."""
+        """SiLU(conv) of columns [start, start + n), rounded as the model rounds."""
         cols = pl.ds(start, n)
         rows = [conv_ref[r, cols] for r in range(width - 1)] + [qkv_ref[0, cols]]
         acc = rows[0].astype(f32) * w_ref[cols, 0].astype(f32)
         for r in range(1, width):
             acc = acc + rows[r].astype(f32) * w_ref[cols, r].astype(f32)
         y = acc.astype(dt).astype(f32)
-        return (y * jax.nn.sigmoid(y)).astype(dt), rows
-
-    def shift(start, n, rows):  # the new conv state: the last width-1 rows (a padding token keeps the old ones)
-        for r in range(width - 1):
-            conv_out_ref[r, pl.ds(start, n)] = jnp.where(live, rows[r + 1], rows[r])
+        return (y * jax.nn.sigmoid(y)).astype(dt)
 
     v_start = 2 * kd + h * (bv * pl.num_programs(2)) + c * bv
-    q, q_rows = conv(j * dk, dk)
-    k, k_rows = conv(kd + j * dk, dk)
-    v, v_rows = conv(v_start, bv)
-    shift(v_start, bv, v_rows)
-
-    @pl.when(jnp.logical_and(h % group == 0, c == 0))
-    def _():
-        shift(j * dk, dk, q_rows)
-        shift(kd + j * dk, dk, k_rows)
+    q = conv(j * dk, dk)
+    k = conv(kd + j * dk, dk)
+    v = conv(v_start, bv)
 
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     qf = qf * jax.lax.rsqrt(jnp.sum(qf * qf) + _L2_EPS) * (dk ** -0.5)
@@ -102,12 +94,11 @@ def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: A
                    interpret: bool | None = None, warps: int = 4, block_v: int = 32):
     """One token of each of B sequences: qkv_raw [B, C], b and a [B, Hv], live [B] int32 (0: a padding token),
     the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [N, K-1, C], recurrent [N, Hv, dk, dv]
-    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new conv states [B, K-1, C], the new
-    recurrent state [N, ...]). Sequence i owns row i of both states; rows B..N-1 (the slots outside a decode
-    bucket) are not read, and the recurrent ones stay as they are: that buffer is updated in place. So no rows
-    are cut out of the states first (XLA would copy them: a recurrent row is 3 MB per layer at full size).
-    interpret: run in Pallas interpret mode (default: on anything but a GPU); block_v: value columns per
-    program (clipped to dv)."""
+    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new recurrent state [N, ...]). Sequence i
+    owns row i of both states; rows B..N-1 (the slots outside a decode bucket) are not read, and the recurrent
+    ones stay as they are: that buffer is updated in place. The conv state is only read (its shift by one row
+    is the caller's, see the module docstring). interpret: run in Pallas interpret mode (default: on anything
+    but a GPU); block_v: value columns per program (clipped to dv)."""
     return _recurrent_step(cfg, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
                            block_v=min(block_v, cfg.linear_value_head_dim))
@@ -136,13 +127,12 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), qkv_raw.dtype),
-                   jax.ShapeDtypeStruct((rows,) + conv_state.shape[1:], conv_state.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
         grid=(rows, hv, dv // block_v),
         in_specs=[seq((1, c_dim)), seq((hv,)), seq((hv,)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape),
                   whole(a_log.shape), conv_spec, rec_spec],
-        out_specs=(seq((hv, dv)), conv_spec, rec_spec),
-        input_output_aliases={8: 2},
+        out_specs=(seq((hv, dv)), rec_spec),
+        input_output_aliases={8: 1},
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="gdn_decode",
     )(qkv_raw[:, None], b, a, live[:, None], conv_w, dt_bias, a_log, conv_state, recurrent)

@@ -277,10 +277,14 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     b = x.shape[0]
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     live = (n_valid > 0).astype(jnp.int32)
-    o, conv, recurrent = gdn_decode.recurrent_step(
-        cfg, linear(x, p.in_proj_qkv), linear(x, p.in_proj_b), linear(x, p.in_proj_a), live, p.conv1d, p.dt_bias,
-        p.A_log, state.conv.astype(x.dtype), state.recurrent)
+    qkv_raw = linear(x, p.in_proj_qkv)
+    o, recurrent = gdn_decode.recurrent_step(cfg, qkv_raw, linear(x, p.in_proj_b), linear(x, p.in_proj_a), live,
+                                             p.conv1d, p.dt_bias, p.A_log, state.conv, state.recurrent)
     z = linear(x, p.in_proj_z).reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]
+    # the conv state's shift: [rows 1.., the new row] (a padding token keeps its rows), written in place
+    old = state.conv[:b]
+    shifted = jnp.concatenate([old[:, 1:], qkv_raw[:, None].astype(old.dtype)], axis=1)
+    conv = jnp.where(live[:, None, None] > 0, shifted, old)
     return y, _put_rows(state, GDNState(conv=conv, recurrent=recurrent))
