@@ -320,12 +320,14 @@ def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
     seq = p + out
     _, routing = transformer.forward_hidden(on_device.params, cfg, jnp.asarray(seq), return_routing=True)
     ids = np.stack([np.asarray(r.ids) for r in routing])  # [L, T, k]
+    engines = {}
     for residency in ("device", "host"):
         src = Replay(ids)
-        eng = jaxflash.load(nvfp4_dir, expert_residency=residency, routing=src,
-                            **{**SMALL, "max_batch": 1}, **({"cache_slots": 4} if residency == "host" else {}))
+        eng = engines[residency] = jaxflash.load(nvfp4_dir, expert_residency=residency, routing=src,
+                                                 **{**SMALL, "max_batch": 1},
+                                                 **({"cache_slots": 4} if residency == "host" else {}))
         assert eng.generate([p], max_new_tokens=12, ignore_eos=True)[0] == out, residency
         assert src.calls >= 12
-    wrong = Replay(np.broadcast_to(np.arange(cfg.num_experts_per_tok), ids.shape))  # experts 0..k-1: wrong
-    eng = jaxflash.load(nvfp4_dir, expert_residency="device", routing=wrong, **{**SMALL, "max_batch": 1})
-    assert eng.generate([p], max_new_tokens=12, ignore_eos=True)[0] != out
+    # the same engine fed experts 0..k-1 instead (the source is read at every step): other tokens
+    src.ids, src.pos = np.broadcast_to(np.arange(cfg.num_experts_per_tok, dtype=np.int32), ids.shape), 0
+    assert engines["host"].generate([p], max_new_tokens=12, ignore_eos=True)[0] != out
