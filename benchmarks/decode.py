@@ -303,7 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoded together)")
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
     ap.add_argument("--kernel", default="auto",
-                    help="comma-separated: auto (decode experts by the NVFP4 kernels on a GPU), off (the jnp path)")
+                    help="comma-separated: auto (decode experts by the NVFP4 kernels on a GPU, the engine's default "
+                         "route), pallas, cuda (that route of the kernels), off (the jnp path)")
     ap.add_argument("--gdn-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the GDN decode kernel, "
                          "jaxflash.kernels.gdn_decode, on a GPU), on, off (XLA's form)")
@@ -366,8 +367,8 @@ def main(argv=None) -> int:
     # runner allocates its state (KV, expert caches) on its first call and frees it after its run.
     configs = []
     kernels = args.kernel.split(",")
-    if not set(kernels) <= {"auto", "off"}:
-        ap.error(f"--kernel takes auto and/or off, got {args.kernel!r}")
+    if not set(kernels) <= {"auto", "off", "pallas", "cuda"}:
+        ap.error(f"--kernel takes auto, off, pallas and/or cuda, got {args.kernel!r}")
     gdn_kernels = args.gdn_kernel.split(",")
     if not set(gdn_kernels) <= {"auto", "off", "on"}:
         ap.error(f"--gdn-kernel takes auto, off and/or on, got {args.gdn_kernel!r}")
@@ -382,13 +383,13 @@ def main(argv=None) -> int:
                             budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                             max_seq_len=seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
-        name = f"{mode}-b{batch}-{routing}" + ("-jnp" if kern == "off" else "")
+        name = f"{mode}-b{batch}-{routing}" + {"auto": "", "off": "-jnp", "pallas": "-pallas", "cuda": "-cuda"}[kern]
         name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + ("-hck" if hc_k == "on" else "")
         name += f"-mb{max_batch}" if max_batch != batch else ""
         name += f"-ctx{seq_len}" if len(seq_lens) > 1 else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
-        configs.append((name, mode, batch, routing, plan, None if kern == "auto" else False,
+        configs.append((name, mode, batch, routing, plan, {"auto": None, "off": False}.get(kern, kern),
                         {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on"))
     device_params = device_resident(model) if "device" in modes else None
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The NVFP4 expert kernels (jaxflash/kernels/nvfp4_experts.py) alone, against their jnp twin, on full-size shapes.
+"""The NVFP4 expert kernels alone, both routes (Pallas: jaxflash/kernels/nvfp4_experts.py; CUDA: ffi/nvfp4_moe.cu
+through jaxflash.ffi.nvfp4_moe), against their jnp twin, on full-size shapes.
 
 For each case (batch 1, 4, 8; 4 rows of one sequence, as a speculative verify step) the script routes every row
 to top-k of E experts per layer, runs L layers' routed experts chained in one jitted program (the output of
@@ -8,10 +9,12 @@ in the 60 MB L2) and reports per layer:
   * wall: the program's wall time / L (XLA captures the whole program in one CUDA graph);
   * kernels: the summed GPU time of the expert kernels (or of the twin's fusions) from a profiler trace / L;
   * the distinct experts and NVFP4 bytes it must read, GB/s and the fraction of the copy ceiling.
-It first checks numerics on the GPU (kernel vs twin vs a float64 numpy reference) and sweeps tile sizes.
+It first checks numerics on the GPU (each route vs the twin vs a float64 numpy reference) and sweeps block
+shapes (--sweep for the Pallas tiles, --cuda-sweep for the CUDA kernels' CudaTiles).
 
-    python3 benchmarks/expert_kernel.py --out $OUT              # on the H200; no build needed
-    python3 benchmarks/expert_kernel.py --preset tiny --layers 2 --reps 2    # CPU smoke run (interpret mode)
+    python3 benchmarks/expert_kernel.py --out $OUT              # on the H200 (the CUDA route needs the package built)
+    python3 benchmarks/expert_kernel.py --preset tiny --layers 2 --reps 2 --sweep none --cuda-sweep none
+                                                                # CPU smoke run (interpret mode, CPU handler)
 """
 
 from __future__ import annotations
@@ -146,7 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--routing", default="calibrated", choices=["calibrated", "uniform"])
     ap.add_argument("--cases", default="b1,b4,b8,verify4")
-    ap.add_argument("--sweep", default="default",
+    ap.add_argument("--impls", default="pallas,cuda", help="comma-separated: pallas, cuda, twin (the table's rows)")
+    ap.add_argument("--cuda-sweep", default="default",
+                    help="'default' (one change at a time from the defaults, at batch 1 and 8), 'none', or "
+                         "lanes_gu:lanes_down:threads_gu:threads_down:stages:blocks_gu:blocks_down:prefetch;... "
+                         "(0 lanes, 0 blocks: automatic)")
+    ap.add_argument("--sweep", default="none",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
                          "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale]]];... (math: f32, f16x2, "
                          "auto; x_scale: chunk, row)")
@@ -161,6 +169,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from jaxflash.ffi.experts import ExpertLayout
+    from jaxflash.ffi.nvfp4_moe import CudaTiles
     from jaxflash.kernels import nvfp4_experts as K
     from jaxflash.model.moe import experts_gather
 
@@ -217,11 +226,13 @@ def main(argv=None) -> int:
         rplace, rops = K.record_operands(layout, rec)
         ref = f64_reference(ex, x, np.asarray(ids), w) if n_tok <= 3 else None
         r = {}
-        for math in ("f32", "f16x2"):  # the kernels' two product paths (bfloat16 tokens take f16x2 by default)
-            t = K.Tiles(math=math)
+        for math in ("f32", "f16x2", "cuda"):  # the Pallas kernels' two product paths, and the CUDA route
+            t = K.Tiles(math=math if math != "cuda" else "auto")
+            route = "cuda" if math == "cuda" else "pallas"
             try:
-                kern = jax.jit(lambda ops, x, ids, w: K.routed_experts(place, ops, x, ids, w, t))(ops, x, ids, w)
-                kern_rec = jax.jit(lambda ops, x, ids, w: K.routed_experts(rplace, ops, x, ids, w, t))(
+                kern = jax.jit(lambda ops, x, ids, w: K.routed_experts(place, ops, x, ids, w, t, route=route))(
+                    ops, x, ids, w)
+                kern_rec = jax.jit(lambda ops, x, ids, w: K.routed_experts(rplace, ops, x, ids, w, t, route=route))(
                     rops, x, ids, w)
             except Exception as exc:  # reported, and the run goes on (the sweep reports it per configuration)
                 r[f"{math}_error"] = "".join(traceback.format_exception_only(type(exc), exc))[-600:]
@@ -244,8 +255,10 @@ def main(argv=None) -> int:
     def chained(impl, tiles):
         def run(ops_layers, x, ids, w):
             for l in range(L):
-                if impl == "kernel":
-                    y = K.routed_experts(place, ops_layers[l], x, ids[l], w[l], tiles)
+                if impl == "pallas":
+                    y = K.routed_experts(place, ops_layers[l], x, ids[l], w[l], tiles, route="pallas")
+                elif impl == "cuda":
+                    y = K.routed_experts(place, ops_layers[l], x, ids[l], w[l], route="cuda", cuda_tiles=tiles)
                 else:
                     y = experts_gather(ops_layers[l], x, ids[l], w[l])  # here: the NVFP4 pytrees
                 x = (x.astype(jnp.float32) + 1e-3 * y).astype(x.dtype)
@@ -257,7 +270,7 @@ def main(argv=None) -> int:
         w = jnp.asarray(rng.uniform(size=(L, rows, k)) / k, jnp.bfloat16)
         ids = jnp.asarray(ids_np)
         fn = chained(impl, tiles)
-        arg0 = ops_layers if impl == "kernel" else layers  # the twin reads the NVFP4 pytrees themselves
+        arg0 = layers if impl == "twin" else ops_layers  # the twin reads the NVFP4 pytrees themselves
         t = time.perf_counter()
         fn(arg0, x, ids, w).block_until_ready()
         compile_s = time.perf_counter() - t
@@ -275,13 +288,17 @@ def main(argv=None) -> int:
             from trace_parts import gpu_kernels
 
             events = gpu_kernels(tdir)  # read and parse the trace once for every figure below
-            match = (lambda n: "nvfp4" in n) if impl == "kernel" else (lambda n: True)
+            names = {"pallas": ("nvfp4_gate_up", "nvfp4_down"), "cuda": ("nvfp4_moe_gate_up", "nvfp4_moe_down")}
+            match = (lambda n: "nvfp4" in n) if impl != "twin" else (lambda n: True)
             us, cnt = kernel_time_us(events, match)
             allk, allc = kernel_time_us(events, lambda n: True)
-            if impl == "kernel":
+            if impl != "twin":
+                gu, dn = names[impl]
                 out["graph"] = graph_ids(events, match)
-                out["gate_up_us"] = kernel_time_us(events, lambda n: "gate_up" in n)[0] / 3 / L
-                out["down_us"] = kernel_time_us(events, lambda n: "nvfp4_down" in n)[0] / 3 / L
+                out["launch"] = sorted({str((ev.get("args") or {}).get("kernel_details", ""))
+                                        for ev in events if match(ev.get("name", ""))})
+                out["gate_up_us"] = kernel_time_us(events, lambda n: gu in n)[0] / 3 / L
+                out["down_us"] = kernel_time_us(events, lambda n: dn in n)[0] / 3 / L
             out.update(kernels_us=us / 3 / L, kernels_per_layer=cnt / 3 / L, all_kernels_us=allk / 3 / L,
                        all_kernels_per_layer=allc / 3 / L)
         return out
@@ -304,8 +321,7 @@ def main(argv=None) -> int:
         cases[c] = (rows, routing_ids("verify" if c.startswith("verify") else "batch", rows, L, E, k,
                                       args.routing, args.seed))
 
-    # tile sweep
-    sweep = []
+    # Pallas tile sweep
     if args.sweep == "default":
         # rows_gu, chunk_gu, warps_gu, rows_down, chunk_down, warps_down, unroll
         # (unrolled walks were slower and compile slowly: benchmarks/RESULTS.md)
@@ -315,50 +331,73 @@ def main(argv=None) -> int:
                 (16, 256, 4, 16, 64, 2, 0, "f16x2", "row"), (64, 256, 8, 8, 64, 1, 0, "f16x2", "row"),
                 (32, 256, 4, 4, 64, 1, 0, "f16x2", "row"), (32, 256, 8, 8, 32, 1, 0, "f16x2", "row")]
     elif args.sweep == "none":
-        d = K.Tiles()
-        grid = [(d.rows_gu, d.chunk_gu, d.warps_gu, d.rows_down, d.chunk_down, d.warps_down, d.unroll, d.math)]
+        grid = []  # the default tiles, measured in the table
     else:
         grid = [tuple(int(v) if v.isdigit() else v for v in s.split(":")) for s in args.sweep.split(";")]
     sweep_cases = [c for c in ("b1", "b8") if c in cases] or list(cases)[:1]
-    best = {}
-    t_sweep = time.perf_counter()
-    for g in grid:
-        tiles = K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4],
-                        warps_down=g[5], unroll=g[6] if len(g) > 6 else K.Tiles().unroll,
-                        math=g[7] if len(g) > 7 else K.Tiles().math,
-                        x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
-        if time.perf_counter() - t_sweep > args.sweep_budget:
-            log(f"sweep {g}: skipped (the {args.sweep_budget:.0f} s sweep budget is spent)")
-            sweep.append({"skipped": True, "tiles": dataclasses.asdict(tiles)})
-            continue
-        for c in sweep_cases:
-            rows, ids_np = cases[c]
-            try:
-                r = describe(measure("kernel", tiles, rows, ids_np), ids_np)
-            except Exception as exc:  # a configuration that does not compile is reported, not fatal
-                r = {"error": "".join(traceback.format_exception_only(type(exc), exc))[-600:]}
-            r.update(case=c, tiles=dataclasses.asdict(tiles))
-            sweep.append(r)
-            if "error" in r:
-                log(f"sweep {g} {c}: ERROR {r['error'][:300]}")
+    sweep = []
+
+    def run_sweep(impl: str, configs: list, deadline: float = float("inf")):
+        """Measure each block-shape configuration of `impl` on the sweep cases; the best per case."""
+        best = {}
+        for tiles in configs:
+            if time.perf_counter() > deadline:
+                log(f"{impl} sweep {tiles}: skipped (the {args.sweep_budget:.0f} s sweep budget is spent)")
+                sweep.append({"skipped": True, "impl": impl, "tiles": dataclasses.asdict(tiles)})
                 continue
-            log(f"sweep {g} {c}: kernels {r.get('kernels_us', float('nan')):.1f} us/layer (gate_up "
-                f"{r.get('gate_up_us', float('nan')):.1f}, down {r.get('down_us', float('nan')):.1f}), wall "
-                f"{r['wall_us']:.1f} us/layer, {r['frac'] * 100:.0f}% of copy ceiling")
-            key = r.get("kernels_us", r["wall_us"])
-            if c not in best or key < best[c][0]:
-                best[c] = (key, tiles)
-    res["sweep"] = sweep
+            for c in sweep_cases:
+                rows, ids_np = cases[c]
+                try:
+                    r = describe(measure(impl, tiles, rows, ids_np), ids_np)
+                except Exception as exc:  # a configuration that does not compile is reported, not fatal
+                    r = {"error": "".join(traceback.format_exception_only(type(exc), exc))[-600:]}
+                r.update(case=c, impl=impl, tiles=dataclasses.asdict(tiles))
+                sweep.append(r)
+                if "error" in r:
+                    log(f"{impl} sweep {tiles} {c}: ERROR {r['error'][:300]}")
+                    continue
+                log(f"{impl} sweep {tiles} {c}: kernels {r.get('kernels_us', float('nan')):.1f} us/layer (gate_up "
+                    f"{r.get('gate_up_us', float('nan')):.1f}, down {r.get('down_us', float('nan')):.1f}), wall "
+                    f"{r['wall_us']:.1f} us/layer, {r['frac'] * 100:.0f}% of copy ceiling; launches {r.get('launch')}")
+                key = r.get("kernels_us", r["wall_us"])
+                if c not in best or key < best[c][0]:
+                    best[c] = (key, tiles)
+        return best
+
+    def pallas_tiles(g):
+        return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
+                       unroll=g[6] if len(g) > 6 else K.Tiles().unroll, math=g[7] if len(g) > 7 else K.Tiles().math,
+                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
+
+    best = run_sweep("pallas", [pallas_tiles(g) for g in grid], time.perf_counter() + args.sweep_budget)
     chosen = best.get("b1", (None, K.Tiles()))[1]
     res["chosen_tiles"] = dataclasses.asdict(chosen)
-    log(f"chosen tiles (best at batch 1): {chosen}")
+    log(f"chosen Pallas tiles (best at batch 1): {chosen}")
+
+    # CUDA block shapes: each variant changes one thing from the defaults
+    if args.cuda_sweep == "default":
+        cgrid = [CudaTiles(), CudaTiles(prefetch=True), CudaTiles(stages=1), CudaTiles(stages=3),
+                 CudaTiles(threads_gu=128), CudaTiles(threads_gu=512), CudaTiles(threads_down=128),
+                 CudaTiles(threads_down=512), CudaTiles(lanes_down=8), CudaTiles(lanes_gu=32)]
+    elif args.cuda_sweep == "none":
+        cgrid = []
+    else:
+        cgrid = [CudaTiles(*(int(v) for v in s.split(":")[:7]), bool(int(s.split(":")[7])))
+                 for s in args.cuda_sweep.split(";")]
+    cbest = run_sweep("cuda", cgrid if "cuda" in args.impls.split(",") else [])
+    cchosen = cbest.get("b1", (None, CudaTiles()))[1]
+    res["chosen_cuda_tiles"] = dataclasses.asdict(cchosen)
+    log(f"chosen CUDA tiles (best at batch 1): {cchosen}")
+    res["sweep"] = sweep
 
     # the table
     table = []
     for c, (rows, ids_np) in cases.items():
-        for impl in ("kernel", "twin"):
+        for impl in args.impls.split(","):
+            if impl == "pallas" and rows > K.MAX_TOKENS:
+                continue
             try:
-                r = describe(measure(impl, chosen, rows, ids_np), ids_np)
+                r = describe(measure(impl, cchosen if impl == "cuda" else chosen, rows, ids_np), ids_np)
             except Exception as exc:
                 r = {"error": "".join(traceback.format_exception_only(type(exc), exc))[-600:]}
             r.update(case=c, impl=impl, rows=rows)
@@ -368,14 +407,15 @@ def main(argv=None) -> int:
     with open(os.path.join(out_dir, "expert_kernel.json"), "w") as f:
         json.dump(res, f, indent=1)
     log("")
-    log(f"{'case':8} {'impl':6} {'distinct':>8} {'MB':>6} {'floor us':>8} {'kern us':>8} {'wall us':>8} "
-        f"{'GB/s':>6} {'%ceil':>6} {'k/layer':>7}")
+    log(f"{'case':8} {'impl':6} {'distinct':>8} {'MB':>6} {'floor us':>8} {'kern us':>8} {'gate_up':>8} "
+        f"{'down':>6} {'wall us':>8} {'GB/s':>6} {'%ceil':>6} {'k/layer':>7}")
     for r in table:
         if "error" in r:
             log(f"{r['case']:8} {r['impl']:6} ERROR {r['error'][:200]}")
             continue
         log(f"{r['case']:8} {r['impl']:6} {r['distinct']:8.1f} {r['bytes'] / 1e6:6.1f} {r['floor_us']:8.2f} "
-            f"{r.get('kernels_us', float('nan')):8.2f} {r['wall_us']:8.2f} {r['gbps']:6.0f} {r['frac'] * 100:5.0f}% "
+            f"{r.get('kernels_us', float('nan')):8.2f} {r.get('gate_up_us', float('nan')):8.2f} "
+            f"{r.get('down_us', float('nan')):6.2f} {r['wall_us']:8.2f} {r['gbps']:6.0f} {r['frac'] * 100:5.0f}% "
             f"{r.get('all_kernels_per_layer', float('nan')):7.1f}")
     for r in table:
         if "graph" in r:

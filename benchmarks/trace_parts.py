@@ -54,6 +54,8 @@ KERNEL_PARTS = [
     ("resolve_kernel", "expert cache resolve"),
     ("nvfp4_gate_up", "routed experts"),  # the Pallas expert kernels (jaxflash/kernels/nvfp4_experts.py)
     ("nvfp4_down", "routed experts"),
+    ("nvfp4_moe_gate_up", "routed experts"),  # the CUDA expert kernels (ffi/nvfp4_moe.cu)
+    ("nvfp4_moe_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
 ]
 

@@ -59,6 +59,8 @@ enum Counter : int {
   kCallPleCuda,
   kCallCopyCpu,
   kCallCopyCuda,
+  kCallNvfp4MoeCpu,
+  kCallNvfp4MoeCuda,
   kNumCounters,
 };
 extern std::atomic<int64_t> g_calls[kNumCounters];

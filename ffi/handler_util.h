@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common.h"
+#include "nvfp4_moe.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxflash {
@@ -160,6 +161,87 @@ inline ffi::ErrorOr<PleParams> make_ple_params(const ffi::AnyBuffer& tokens, con
     return bad("rows output must hold B*T*heads rows of " + std::to_string(table->row_bytes) + " bytes");
   if (info.element_count() != 2) return bad("info output must have 2 elements");
   return p;
+}
+
+// The operands and attributes of jaxflash_nvfp4_moe, bound alike by its CPU and CUDA handlers (after the CUDA
+// one's stream): ids, x, the operands' arrays, and its two outputs (jaxflash/ffi/nvfp4_moe.py).
+#define JAXFLASH_NVFP4_MOE_BINDING(bind)                   \
+  (bind).Arg<xla::ffi::AnyBuffer>()                         \
+      .Arg<xla::ffi::AnyBuffer>()                           \
+      .RemainingArgs()                                      \
+      .Ret<xla::ffi::AnyBuffer>()                           \
+      .Ret<xla::ffi::AnyBuffer>()                           \
+      .Attr<xla::ffi::Span<const int64_t>>("part_arg")      \
+      .Attr<xla::ffi::Span<const int64_t>>("part_offset")   \
+      .Attr<int64_t>("lanes_gu")                            \
+      .Attr<int64_t>("lanes_down")                          \
+      .Attr<int64_t>("threads_gu")                          \
+      .Attr<int64_t>("threads_down")                        \
+      .Attr<int64_t>("stages")                              \
+      .Attr<int64_t>("blocks_gu")                           \
+      .Attr<int64_t>("blocks_down")                         \
+      .Attr<int64_t>("prefetch")
+
+// NVFP4 routed experts (jaxflash_nvfp4_moe): the operands' parts checked against the shapes, as addresses.
+struct MoeShape {
+  int64_t tokens = 0, top_k = 0, pairs = 0, hidden = 0, inter = 0;
+  nvfp4::Operands ops{};
+};
+
+inline ffi::ErrorOr<MoeShape> check_nvfp4_moe(const ffi::AnyBuffer& ids, const ffi::AnyBuffer& x,
+                                             const ffi::RemainingArgs& operands, const ffi::AnyBuffer& y,
+                                             const ffi::AnyBuffer& act, ffi::Span<const int64_t> part_arg,
+                                             ffi::Span<const int64_t> part_offset, bool device_alignment) {
+  auto bad = [](std::string m) { return ffi::Unexpected(ffi::Error::InvalidArgument("nvfp4_moe: " + m)); };
+  MoeShape s;
+  auto id = ids.dimensions(), xd = x.dimensions(), yd = y.dimensions(), ad = act.dimensions();
+  if (ids.element_type() != ffi::DataType::S32 || id.size() != 2) return bad("ids must be int32 [N, k]");
+  if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2 || xd[0] != id[0])
+    return bad("x must be bfloat16 [N, H] with the ids' N; got " + dims_str(xd));
+  s.tokens = id[0];
+  s.top_k = id[1];
+  s.pairs = s.tokens * s.top_k;
+  s.hidden = xd[1];
+  if (s.tokens < 1 || s.tokens > nvfp4::kMaxTokens || s.top_k < 1 || s.pairs > nvfp4::kMaxPairs)
+    return bad("takes 1.." + std::to_string(nvfp4::kMaxTokens) + " tokens and at most " +
+               std::to_string(nvfp4::kMaxPairs) + " (token, expert) pairs; got ids " + dims_str(id));
+  if (ad.size() != 2 || ad[0] != s.pairs || act.element_type() != ffi::DataType::BF16)
+    return bad("act must be bfloat16 [N*k, I]; got " + dims_str(ad));
+  s.inter = ad[1];
+  if (yd.size() != 2 || yd[0] != s.pairs || yd[1] != s.hidden || y.element_type() != ffi::DataType::BF16)
+    return bad("y must be bfloat16 [N*k, H]; got " + dims_str(yd));
+  if (s.hidden % 32 || s.inter % 32 || s.hidden <= 0 || s.inter <= 0)
+    return bad("H=" + std::to_string(s.hidden) + " and I=" + std::to_string(s.inter) + " must be multiples of 32");
+  if (part_arg.size() != nvfp4::kNumParts || part_offset.size() != nvfp4::kNumParts)
+    return bad("part_arg and part_offset need 9 entries (gate, up, down codes, scales, global scales)");
+  const int64_t H = s.hidden, I = s.inter;
+  const int64_t need[nvfp4::kNumParts] = {I * H / 2, I * H / 2, H * I / 2, I * H / 16, I * H / 16, H * I / 16, 4, 4, 4};
+  s.ops.num_experts = -1;
+  for (int p = 0; p < nvfp4::kNumParts; ++p) {
+    const int64_t a = part_arg[p];
+    if (a < 0 || a >= int64_t(operands.size()))
+      return bad("part " + std::to_string(p) + " names operand " + std::to_string(a) + " of " +
+                 std::to_string(operands.size()));
+    auto buf = operands.get<ffi::AnyBuffer>(size_t(a));
+    if (buf.has_error()) return ffi::Unexpected(buf.error());
+    auto dims = buf->dimensions();
+    if (dims.size() < 1 || dims[0] < 1) return bad("operand " + std::to_string(a) + " has no expert rows");
+    if (s.ops.num_experts >= 0 && dims[0] != s.ops.num_experts)
+      return bad("the operands disagree on the number of experts");
+    s.ops.num_experts = dims[0];
+    const int64_t row = int64_t(buf->size_bytes()) / dims[0];
+    if (part_offset[p] < 0 || part_offset[p] + need[p] > row)
+      return bad("part " + std::to_string(p) + " (" + std::to_string(need[p]) + " bytes at offset " +
+                 std::to_string(part_offset[p]) + ") does not fit an expert row of " + std::to_string(row) + " bytes");
+    s.ops.base[p] = static_cast<const uint8_t*>(buf->untyped_data()) + part_offset[p];
+    s.ops.stride[p] = row;
+    if (device_alignment) {  // 16-byte asynchronous copies of codes and scales
+      const int64_t align = p < 6 ? 16 : 1;
+      if (reinterpret_cast<uintptr_t>(s.ops.base[p]) % align || row % align)
+        return bad("part " + std::to_string(p) + " is not " + std::to_string(align) + "-byte aligned");
+    }
+  }
+  return s;
 }
 
 }  // namespace jaxflash

@@ -31,6 +31,8 @@ const char* counter_name(int counter) {
     case kCallPleCuda: return "ple_step_cuda";
     case kCallCopyCpu: return "copy_cpu";
     case kCallCopyCuda: return "copy_cuda";
+    case kCallNvfp4MoeCpu: return "nvfp4_moe_cpu";
+    case kCallNvfp4MoeCuda: return "nvfp4_moe_cuda";
     default: return "unknown";
   }
 }

@@ -22,12 +22,14 @@ XLA_FFI_Error* JaxflashResolveCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashPleCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashCopyCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashNvfp4MoeCpu(XLA_FFI_CallFrame*);
 #ifdef JAXFLASH_WITH_CUDA
 XLA_FFI_Error* JaxflashResolveCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherZeroCopyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherMemcpyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashPleCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashCopyCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashNvfp4MoeCuda(XLA_FFI_CallFrame*);
 #endif
 }
 
@@ -92,6 +94,7 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherCpu);  // one copy path on the CPU
     d["jaxflash_ple_step"] = capsule(JaxflashPleCpu);
     d["jaxflash_copy"] = capsule(JaxflashCopyCpu);
+    d["jaxflash_nvfp4_moe"] = capsule(JaxflashNvfp4MoeCpu);
     return d;
   });
   m.def("cuda_targets", [] {
@@ -102,6 +105,7 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherMemcpyCuda);
     d["jaxflash_ple_step"] = capsule(JaxflashPleCuda);
     d["jaxflash_copy"] = capsule(JaxflashCopyCuda);
+    d["jaxflash_nvfp4_moe"] = capsule(JaxflashNvfp4MoeCuda);
 #endif
     return d;
   });

@@ -63,6 +63,23 @@ def top_k_ids(rng, n, e, k):
     return np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
 
 
+def extreme_cases():
+    """Two bfloat16 token rows far outside float16's range (scaled by 1e6, 3e4, 1e-6, and with halves 1e4 apart)
+    through 6 random experts, top-3: (place, ops, x, ids, w, the jnp twin's output) per scale."""
+    rng = np.random.default_rng(8)
+    h, i = 256, 128
+    ex = random_experts(rng, 6, h, i)
+    place, ops = K.resident_operands(ex)
+    ids = jnp.asarray(top_k_ids(rng, 2, 6, 3))
+    w = jnp.asarray(rng.uniform(size=(2, 3)), jnp.bfloat16)
+    for scale in (1e6, 3e4, 1e-6, None):
+        x = rng.normal(size=(2, h)) * (scale or 1.0)
+        if scale is None:
+            x[:, h // 2:] *= 1e4
+        x = jnp.asarray(x, jnp.bfloat16)
+        yield place, ops, x, ids, w, experts_gather(ex, x, ids, w)
+
+
 def test_unpack_decodes_every_byte():
     b = np.arange(256, dtype=np.uint8)
     lo, hi = jax.jit(K._unpack)(jnp.asarray(b))
@@ -103,21 +120,11 @@ def test_f16x2_keeps_large_and_small_tokens(x_scale):
     """bfloat16 tokens far outside float16's range (3e4 .. 1e6) or tiny (1e-6), and a row whose halves lie 1e4
     apart, stay accurate: the inputs are scaled by a power of two into [-1, 1] (per chunk of the walk, or per
     row) before the float16 products. Small chunks, so that a walk has several."""
-    rng = np.random.default_rng(8)
-    h, i = 256, 128
-    ex = random_experts(rng, 6, h, i)
-    place, ops = K.resident_operands(ex)
-    ids = jnp.asarray(top_k_ids(rng, 2, 6, 3))
-    w = jnp.asarray(rng.uniform(size=(2, 3)), jnp.bfloat16)
     tiles = K.Tiles(math="f16x2", x_scale=x_scale, chunk_gu=64, chunk_down=16)
-    for scale in (1e6, 3e4, 1e-6, None):
-        x = rng.normal(size=(2, h)) * (scale or 1.0)
-        if scale is None:
-            x[:, h // 2:] *= 1e4
-        x = jnp.asarray(x, jnp.bfloat16)
+    for place, ops, x, ids, w, want in extreme_cases():
         out = K.routed_experts(place, ops, x, ids, w, tiles=tiles)
         assert np.isfinite(np.asarray(out)).all()
-        assert rel_err(out, experts_gather(ex, x, ids, w)) < TOL_F16X2
+        assert rel_err(out, want) < TOL_F16X2
     with pytest.raises(ValueError, match="x_scale"):
         K.routed_experts(place, ops, x, ids, w, tiles=K.Tiles(x_scale="tile"))
 
@@ -153,16 +160,20 @@ class _MoEStub:
         self.experts = experts
 
 
-def test_records_read_every_slot():
-    """Cache-slot records: the batch's ids cover every slot, in a shuffled order."""
-    rng = np.random.default_rng(11)
-    h, i, k, n_tok = 64, 48, 3, 4
+def every_slot_case(rng, h, i, k, n_tok):
+    """n_tok * k cache-slot records of random experts and a batch whose ids cover every slot in a shuffled
+    order: (layout, slots, ids, x, w)."""
     layout = ExpertLayout("nvfp4", h, i)
-    ex = random_experts(rng, n_tok * k, h, i)
-    slots = jnp.asarray(records_of(layout, ex))
+    slots = jnp.asarray(records_of(layout, random_experts(rng, n_tok * k, h, i)))
     ids = jnp.asarray(rng.permutation(n_tok * k).reshape(n_tok, k).astype(np.int32))
     x = jnp.asarray(rng.normal(size=(n_tok, h)), jnp.bfloat16)
     w = jnp.asarray(rng.uniform(size=(n_tok, k)), jnp.bfloat16)
+    return layout, slots, ids, x, w
+
+
+def test_records_read_every_slot():
+    """Cache-slot records: the batch's ids cover every slot, in a shuffled order."""
+    layout, slots, ids, x, w = every_slot_case(np.random.default_rng(11), 64, 48, 3, 4)
     twin = experts_gather(records_as_experts(layout, slots), x, ids, w)
     place, ops = K.record_operands(layout, slots)
     out = K.routed_experts(place, ops, x, ids, w)

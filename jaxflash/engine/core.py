@@ -24,7 +24,7 @@ import numpy as np
 from .. import ffi
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..kernels import gdn_decode, on_gpu
+from ..kernels import gdn_decode, nvfp4_experts, on_gpu
 from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model import transformer
@@ -52,20 +52,22 @@ class Engine:
     def __init__(self, config: ModelConfig, params: transformer.Params, host_table=None,
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
-                 routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
+                 routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
                  gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
                  draft_tokens: int = 3):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
         expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
-        NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics).
+        NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics; "pallas" / "cuda": that route of
+        the kernels, jaxflash.kernels.nvfp4_experts).
         gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
         model it takes; True elsewhere runs it in interpret mode). hc_kernel: run the decode steps'
         hyper-connection mixes in jaxflash.kernels.hc_mix (default off: on the H200 no faster than XLA's mix).
         speculative, draft_tokens: see load."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
+        nvfp4_experts.expert_kernel_choice(expert_kernel)  # a bad value fails here, before anything compiles
         self.expert_kernel = expert_kernel
         if gdn_kernel and not gdn_decode.takes(config, params.dtype):
             raise ValueError("gdn_kernel=True: the GDN decode kernel takes bfloat16 or float32 models with "
@@ -184,8 +186,9 @@ class Engine:
             table, scale = self.ngram
             hash_ = ffi.NgramHash.from_config(cfg)
         host = self.host_experts
-        if host is not None and self.expert_kernel is not None:
-            host = dataclasses.replace(host, kernel=self.expert_kernel)
+        if host is not None:
+            use, route = nvfp4_experts.expert_kernel_choice(self.expert_kernel)
+            host = dataclasses.replace(host, kernel=use, route=route)
         return runner_mod.Setup(cfg, plan.max_batch, plan.num_pages, plan.page_size,
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 host, table, hash_,
@@ -291,7 +294,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          expert_residency: str = "auto", vram_budget=None, cache_slots: int | None = None, max_batch: int = 8,
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None,
          mtp_drafts: bool = False, device=None, progress: bool | None = None,
-         routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | None = None,
+         routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
          gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
          draft_tokens: int = 3) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
@@ -309,11 +312,13 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     decoding, and the head costs a decoder layer and a second lm_head read per step.
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
-    expert_kernel: decode steps compute NVFP4 routed experts with the Pallas kernels (default: on a GPU; True
-    elsewhere runs them in interpret mode, False keeps the jnp path everywhere). gdn_kernel: decode steps run
-    the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode; default: on a GPU where it
-    applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps XLA's form). hc_kernel:
-    decode steps run the hyper-connection mixes in two kernels each (jaxflash.kernels.hc_mix; default off: on
+    expert_kernel: decode steps compute NVFP4 routed experts with the Pallas expert kernels (default: on a GPU;
+    True elsewhere runs them in interpret mode, False keeps the jnp path everywhere); "cuda" takes the CUDA route
+    of jaxflash.kernels.nvfp4_experts instead (bfloat16 models; slower than Pallas up to 8 rows on the H200, but
+    it takes up to 32 rows a step; on the CPU its C++ handler runs), "pallas" names the default.
+    gdn_kernel: decode steps run the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode;
+    default: on a GPU where it applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps
+    XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each (jaxflash.kernels.hc_mix; default off: on
     the H200 it ties XLA's mix at batch 1 and loses at larger batches).
     speculative: "ngram" decodes speculatively with up to draft_tokens (1 to 3) drafts per sequence and step,
     proposed from the sequence's own earlier tokens (jaxflash.engine.speculative) and checked in one verify
@@ -330,6 +335,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     k_drafts = _draft_tokens(speculative, draft_tokens, mtp_drafts, routing)  # bad values fail before loading
     if ple_table not in ("auto", "device", "host"):
         raise ValueError(f"ple_table must be 'auto', 'device' or 'host', got {ple_table!r}")
+    nvfp4_experts.expert_kernel_choice(expert_kernel)
     if cache_slots is not None and expert_residency == "device":
         raise ValueError("cache_slots sizes the host-residency expert cache; it contradicts expert_residency='device'")
     budget = planner_mod.parse_bytes(vram_budget)

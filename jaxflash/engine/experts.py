@@ -33,11 +33,12 @@ class HostExperts:
     staging: int  # records staged at once (prefill)
     gather_mode: str = "auto"
     kernel: bool | None = None  # compute decode experts with the NVFP4 kernels (None: for NVFP4 on a GPU)
+    route: str = "auto"  # the kernels' route (nvfp4_experts.ROUTES)
 
     def use_kernel(self, x) -> bool:
         if self.kernel is not None:
             return self.kernel
-        return self.layout.kind == "nvfp4" and nvfp4_experts.takes(x)
+        return self.layout.kind == "nvfp4" and nvfp4_experts.takes(x, self.route)
 
     @property
     def num_experts(self) -> int:
@@ -92,7 +93,7 @@ class CachedExperts:
                                mode=host.gather_mode)
         if host.use_kernel(x):
             place, operands = nvfp4_experts.record_operands(host.layout, slots)
-            y = nvfp4_experts.routed_experts(place, operands, x, r.slots, w)
+            y = nvfp4_experts.routed_experts(place, operands, x, r.slots, w, route=host.route)
         else:
             y = experts_gather(records_as_experts(host.layout, slots), x, r.slots, w)
         return y, CachedExperts(_set(self.lru, layer, r.state), _set(self.slots, layer, slots),

@@ -32,6 +32,7 @@ from jax import lax
 
 from .. import ffi
 from ..config import ModelConfig
+from ..kernels import nvfp4_experts
 from ..model import mtp as mtp_mod
 from ..model.attention import PagedKV
 from ..model.base import Array, TokenBatch, pytree_dataclass, up
@@ -88,8 +89,8 @@ class Setup:
     table_scale: float | None = None  # the FP8 table's global scale
     mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
-    expert_kernel: bool | None = None  # decode's resident experts by the NVFP4 kernels (None: where they apply;
-    # host residency: host.kernel says the same for the cache slots)
+    expert_kernel: bool | str | None = None  # decode's resident experts by the NVFP4 kernels (None: where they
+    # apply; "pallas" / "cuda": that route; host residency: host.kernel and host.route say the same for the slots)
     gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (the Engine turns it on
     # on a GPU; elsewhere it runs in interpret mode, for tests)
     hc_kernel: bool = False  # decode's hyper-connection mixes by jaxflash.kernels.hc_mix (off by default: no faster
@@ -215,8 +216,10 @@ def _span_table(setup: Setup, page_table: Array, span: int | None) -> Array:
 
 def _step_experts(setup: Setup, st: DecodeState):
     """The routed experts' source of a decode or verify step: the VRAM caches, or the resident experts."""
-    return st.experts if setup.host is not None else ResidentExperts(
-        {None: "auto", True: "kernel", False: "gather"}[setup.expert_kernel])
+    if setup.host is not None:
+        return st.experts
+    use, route = nvfp4_experts.expert_kernel_choice(setup.expert_kernel)
+    return ResidentExperts({None: "auto", True: "kernel", False: "gather"}[use], route)
 
 
 def _capacity(setup: Setup, page_table: Array) -> Array:

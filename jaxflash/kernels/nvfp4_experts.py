@@ -35,6 +35,10 @@ Why this shape:
 
 jax 0.11 warns that the Pallas Triton backend is deprecated; the routes after it are Mosaic GPU (no FP4
 conversion on Hopper, but the integer unpacking here needs none) or Triton through jax-triton.
+
+A second route computes the same pairs in CUDA behind an FFI call (jaxflash.ffi.nvfp4_moe, ffi/nvfp4_moe.cu):
+`routed_experts(route=)` picks "pallas" (these kernels) or "cuda"; "auto" takes these kernels, measured faster
+(see choose_route).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ _BYTES_PER_GROUP = NVFP4_GROUP // 2  # one FP8 scale per 8 packed bytes (16 code
 _TWO14 = float(2**14)
 MAX_TOKENS = 16  # the kernels unroll a branch per token: decode batches and verify rows, not prefill chunks
 DTYPES = (jnp.bfloat16, jnp.float32)  # token dtypes the kernels take
+ROUTES = ("auto", "pallas", "cuda")
 
 
 # ----- where the weights are -----------------------------------------------------------------------------------
@@ -474,24 +479,68 @@ def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
     return y.reshape(n_tok, k, place.hidden)
 
 
-def takes(x: Array) -> bool:
-    """Whether the engine's "auto" choice sends these tokens [N, H] to the kernels: compiling for a GPU, a
-    supported dtype, decode-sized."""
-    return on_gpu() and x.dtype in DTYPES and x.shape[0] <= MAX_TOKENS
+def choose_route(route: str) -> str:
+    """The route a call takes: `route` itself; "auto" takes these Pallas kernels, which beat the CUDA route on the
+    H200 at 1, 4 and 8 rows and at 4 verify rows (benchmarks/RESULTS.md, "The CUDA route of the expert
+    kernels"). The CUDA route is there by name: it takes up to jaxflash.ffi.nvfp4_moe.MAX_TOKENS rows where
+    these take MAX_TOKENS."""
+    if route not in ROUTES:
+        raise ValueError(f"the expert kernel route must be one of {ROUTES}, got {route!r}")
+    return "pallas" if route == "auto" else route
+
+
+def takes(x: Array, route: str = "auto") -> bool:
+    """Whether the engine's "auto" choice sends these tokens [N, H] to the kernels of `route`: compiling for a
+    GPU, a dtype the route takes, decode-sized (up to MAX_TOKENS for Pallas, jaxflash.ffi.nvfp4_moe.MAX_TOKENS
+    bfloat16 tokens for CUDA, where the native module has the CUDA kernels)."""
+    if not (on_gpu() and x.dtype in DTYPES):
+        return False
+    if choose_route(route) == "cuda":
+        from ..ffi import nvfp4_moe
+
+        return x.dtype == jnp.bfloat16 and x.shape[0] <= nvfp4_moe.MAX_TOKENS and nvfp4_moe.available()
+    return x.shape[0] <= MAX_TOKENS
+
+
+def expert_kernel_choice(value) -> tuple[bool | None, str]:
+    """An engine's `expert_kernel` setting as (use the kernels: True/False/None for where they apply, route):
+    None, True, False, "pallas" or "cuda"."""
+    if value is None or isinstance(value, bool):
+        return value, "auto"
+    if value in ("pallas", "cuda"):
+        return True, value
+    raise ValueError(f"expert_kernel must be None, True, False, 'pallas' or 'cuda', got {value!r}")
+
+
+def cuda_parts(place: Placement, operands: tuple[Array, ...]) -> tuple[list[int], list[int]]:
+    """The nine parts as (operand indices, byte offsets) for jaxflash.ffi.nvfp4_moe."""
+    parts = (place.gate, place.up, place.down, place.gate_scale, place.up_scale, place.down_scale, place.gate_s2,
+             place.up_s2, place.down_s2)
+    return [p.arg for p in parts], [p.offset * jnp.dtype(operands[p.arg].dtype).itemsize for p in parts]
 
 
 def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids: Array, w: Array,
-                   tiles: Tiles = Tiles(), interpret: bool | None = None) -> Array:
+                   tiles: Tiles = Tiles(), interpret: bool | None = None, route: str = "auto",
+                   cuda_tiles=None) -> Array:
     """sum_j w[n, j] * expert_{ids[n, j]}(x[n]) for x [N, H] (bfloat16 or float32), ids/w [N, k]: float32
-    [N, H]. `place`/`operands` from resident_operands or record_operands. interpret: run the kernels in Pallas
-    interpret mode (default: on anything but a GPU)."""
+    [N, H]. `place`/`operands` from resident_operands or record_operands. route: "pallas" (these kernels),
+    "cuda" (jaxflash.ffi.nvfp4_moe: CUDA on a GPU, its C++ handler on the CPU; bfloat16 tokens) or "auto"
+    (choose_route). interpret: run the Pallas kernels in interpret mode (default: on anything but a GPU).
+    tiles / cuda_tiles: the block shapes of either route."""
     if x.dtype not in DTYPES:
         raise TypeError(f"the NVFP4 expert kernel takes bfloat16 or float32 inputs, not {x.dtype}")
-    if ids.shape[0] > MAX_TOKENS:
-        raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
-    if interpret is None:
-        interpret = not on_gpu()
-    y = _pairs(x, ids, tuple(operands), place, tiles, interpret)
+    if choose_route(route) == "cuda":
+        from ..ffi import nvfp4_moe
+
+        arg, offset = cuda_parts(place, operands)
+        y = nvfp4_moe.expert_pairs(x, ids, tuple(operands), arg, offset, place.inter,
+                                   cuda_tiles or nvfp4_moe.CudaTiles())
+    else:
+        if ids.shape[0] > MAX_TOKENS:
+            raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
+        if interpret is None:
+            interpret = not on_gpu()
+        y = _pairs(x, ids, tuple(operands), place, tiles, interpret)
     return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w.astype(jnp.float32))
 
 

@@ -231,16 +231,17 @@ def tiled_with_fetch(fetch, carry, x: Array, idx: Array, w: Array, num_experts: 
     return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys), carry
 
 
-def experts_kernel(e: Experts, x: Array, idx: Array, w: Array) -> Array:
-    """experts_gather's sum by the NVFP4 expert kernels (compiled on a GPU, interpret mode elsewhere)."""
+def experts_kernel(e: Experts, x: Array, idx: Array, w: Array, route: str = "auto") -> Array:
+    """experts_gather's sum by the NVFP4 expert kernels of `route` (jaxflash.kernels.nvfp4_experts.ROUTES;
+    compiled on a GPU, interpret mode or the CPU handler elsewhere)."""
     place, operands = nvfp4_experts.resident_operands(e)
-    return nvfp4_experts.routed_experts(place, operands, x, idx, w)
+    return nvfp4_experts.routed_experts(place, operands, x, idx, w, route=route)
 
 
-def kernel_applies(e: Experts, x: Array) -> bool:
+def kernel_applies(e: Experts, x: Array, route: str = "auto") -> bool:
     """Whether "auto" takes the kernel where it would gather: NVFP4 experts, bf16/f32 decode-sized tokens,
     compiling for a GPU."""
-    return nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x)
+    return nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x, route)
 
 
 EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel}
@@ -265,9 +266,10 @@ class Routing:
 class ResidentExperts:
     """Routed experts held in the parameters (every expert in device memory). impl: "kernel", "gather",
     "tiled", "ragged", or "auto": while the tokens' expert uses are fewer than the experts, the kernel for NVFP4
-    experts on a GPU and gather otherwise; tiled beyond."""
+    experts on a GPU and gather otherwise; tiled beyond. route: the kernel's (nvfp4_experts.ROUTES)."""
 
     impl: str = static("auto")
+    route: str = static("auto")
 
     def routed(self, layer: int, p: MoE, x: Array, ids: Array, w: Array, valid: Array):
         if p.experts is None:
@@ -276,9 +278,11 @@ class ResidentExperts:
         impl = self.impl
         if impl == "auto":
             gathers = ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0]
-            impl = ("kernel" if kernel_applies(p.experts, x) else "gather") if gathers else "tiled"
+            impl = ("kernel" if kernel_applies(p.experts, x, self.route) else "gather") if gathers else "tiled"
         if impl not in EXPERT_PATHS:
             raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
+        if impl == "kernel":
+            return experts_kernel(p.experts, x, ids, w, self.route), self
         return EXPERT_PATHS[impl](p.experts, x, ids, w), self
 
 
