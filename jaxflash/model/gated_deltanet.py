@@ -10,7 +10,6 @@ is this module's code.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -51,13 +50,28 @@ class GDNPending:
     """A GDN layer's state after a verify step (several draft tokens per sequence), before it is known how
     many of them are kept: what `commit` needs to make the state after any prefix of them, exactly."""
 
-    hist: Array  # [K-1+T, conv_dim]: the conv history before the step, then the step's raw qkv rows
+    hist: Array  # [K-1+T, conv_dim]: the conv state before the step, then the step's raw qkv rows
     k: Array  # [T, Hv, dk] float32: the delta rule's inputs per token
     v: Array  # [T, Hv, dv]
     g: Array  # [T, Hv]
     beta: Array  # [T, Hv]
     recurrent: Array  # [Hv, dk, dv]: the recurrent state before the step
-    conv: Array  # [K-1, conv_dim]: the conv state before the step (in a batch: all rows, see commit_batch)
+
+
+@pytree_dataclass
+class GDNPendingBatch:
+    """gated_deltanet_batch's verify step: the B sequences' GDNPending (leading axis B) beside the whole state
+    of N >= B rows before the step, into which commit_batch writes the kept rows."""
+
+    rows: GDNPending
+    whole: GDNState
+
+
+def conv_window(hist: Array, n: Array | int, width: int) -> Array:
+    """The conv state after the first n new rows of hist = [the conv state (width rows); the new rows]: its rows
+    n .. n + width - 1. (The decode kernel's path writes the same for one new row as a select, see
+    _decode_kernel.)"""
+    return lax.dynamic_slice_in_dim(hist, n, width, axis=0)
 
 
 def commit(p: GDNPending, n: Array | int) -> GDNState:
@@ -70,8 +84,7 @@ def commit(p: GDNPending, n: Array | int) -> GDNState:
     s = p.recurrent
     for i in range(t):  # T is a few tokens: unrolled (a GPU while loop would leave the command buffer)
         s = _delta_update(s, p.k[i], p.v[i], g[i], beta[i])
-    width = p.hist.shape[0] - t
-    return GDNState(conv=lax.dynamic_slice_in_dim(p.hist, n, width, axis=0), recurrent=s)
+    return GDNState(conv=conv_window(p.hist, n, p.hist.shape[0] - t), recurrent=s)
 
 
 def init_state(cfg: ModelConfig, dtype) -> GDNState:
@@ -231,37 +244,31 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     o = rms_norm_gated(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(t, hv * dv), p.out_proj)
     if pending:
-        return y, GDNPending(hist=hist, k=k, v=v, g=g, beta=beta, recurrent=state.recurrent, conv=state.conv)
-
-    width = cfg.linear_conv_kernel_dim - 1
-    start = t if n_valid is None else n_valid
-    conv_state = lax.dynamic_slice_in_dim(hist, start, width, axis=0)
-    return y, GDNState(conv=conv_state, recurrent=recurrent)
+        return y, GDNPending(hist=hist, k=k, v=v, g=g, beta=beta, recurrent=state.recurrent)
+    conv = conv_window(hist, t if n_valid is None else n_valid, cfg.linear_conv_kernel_dim - 1)
+    return y, GDNState(conv=conv, recurrent=recurrent)
 
 
 def gated_deltanet_batch(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState, n_valid: Array,
-                         kernel: bool = False, pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
+                         kernel: bool = False, pending: bool = False) -> tuple[Array, GDNState | GDNPendingBatch]:
     """gated_deltanet over B sequences: x [B, T, H], n_valid [B], a state of N >= B rows (conv [N, K-1, C],
     recurrent [N, Hv, dk, dv]). Sequence i owns row i; rows B..N-1 (the engine's slots outside a decode
     bucket) come back as they were, so a bucket never cuts its rows out of the whole state (see the decode
     kernel). kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on
-    a GPU, interpreted elsewhere). pending: a GDNPending whose states before the step are the whole ones
-    (commit_batch then writes the kept rows)."""
+    a GPU, interpreted elsewhere). pending: a GDNPendingBatch (commit_batch then writes the kept rows)."""
     b, t = x.shape[:2]
     if kernel and t == 1 and not pending:
         return _decode_kernel(p, cfg, x[:, 0], state, n_valid)
     rows = GDNState(conv=state.conv[:b], recurrent=state.recurrent[:b])
     y, new = jax.vmap(lambda xx, st, n: gated_deltanet(p, cfg, xx, st, n, pending))(x, rows, n_valid)
     if pending:
-        return y, dataclasses.replace(new, recurrent=state.recurrent, conv=state.conv)
+        return y, GDNPendingBatch(rows=new, whole=state)
     return y, _put_rows(state, new)
 
 
-def commit_batch(p: GDNPending, keep: Array) -> GDNState:
-    """`commit` for B sequences of a gated_deltanet_batch verify step: keep [B] tokens each."""
-    b = keep.shape[0]
-    new = jax.vmap(commit)(dataclasses.replace(p, recurrent=p.recurrent[:b], conv=p.conv[:b]), keep)
-    return _put_rows(GDNState(conv=p.conv, recurrent=p.recurrent), new)
+def commit_batch(p: GDNPendingBatch, keep: Array) -> GDNState:
+    """`commit` for the B sequences of a gated_deltanet_batch verify step: keep [B] tokens each."""
+    return _put_rows(p.whole, jax.vmap(commit)(p.rows, keep))
 
 
 def _put_rows(whole: GDNState, rows: GDNState) -> GDNState:
@@ -283,7 +290,8 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     z = linear(x, p.in_proj_z).reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]
-    # the conv state's shift: [rows 1.., the new row] (a padding token keeps its rows), written in place
+    # conv_window of [old rows; the new row] at n = live, as a select that XLA fuses with the new row's
+    # computation (a padding token keeps its rows); written in place
     old = state.conv[:b]
     shifted = jnp.concatenate([old[:, 1:], qkv_raw[:, None].astype(old.dtype)], axis=1)
     conv = jnp.where(live[:, None, None] > 0, shifted, old)

@@ -84,7 +84,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
     gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`); hc_kernel:
     the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`).
-    pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPending, the PLE
+    pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPendingBatch, the PLE
     conv history) until `commit_layers` keeps each sequence's accepted tokens; the KV pages are written for
     every new token (positions past a sequence's length are never read, and later tokens overwrite them).
     Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
@@ -151,7 +151,7 @@ def commit_layers(cfg: ModelConfig, states: tuple, keep: Array) -> tuple:
     out = []
     for st in states:
         mixer = st.mixer
-        if isinstance(mixer, gdn.GDNPending):
+        if isinstance(mixer, gdn.GDNPendingBatch):
             mixer = gdn.commit_batch(mixer, keep)
         ple_conv = st.ple_conv
         if ple_conv is not None:
