@@ -25,9 +25,10 @@ def forced(tok: Tokenizer, text: str) -> str:
                                 for p in parts)
 
 
-def serve(app, **config):
-    """Run `app` under uvicorn (the server's own settings, `config` on top) on a free port until healthy.
-    uvicorn's loggers are left to propagate, so caplog sees what the server logs."""
+def serve(app, ready: int = 200, **config):
+    """Run `app` under uvicorn (the server's own settings, `config` on top) on a free port until /health answers
+    `ready` (200: healthy; 503: up, the model still loading). uvicorn's loggers are left to propagate, so caplog
+    sees what the server logs."""
     import uvicorn
 
     s = socket.socket()
@@ -42,12 +43,12 @@ def serve(app, **config):
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            if httpx.get(url + "/health").status_code == 200:
+            if httpx.get(url + "/health").status_code == ready:
                 return server, url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
+    raise RuntimeError(f"/health never answered {ready}")
 
 
 def load_small():

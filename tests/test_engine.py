@@ -1,8 +1,11 @@
 """The engine (prefill chunks, decode steps, paged KV, expert cache, sampling) against the reference and against
 jaxflash's own full-sequence forward, on tiny models.
 
-Reference model: transformers' qwen4_exp, float64, 8 layers (6 GDN + 2 attention with QSA budget 8 tokens),
-PLE, 8 experts top-2. Prompts hold EOS tokens (PLE n-gram segments) and generation runs far past the QSA budget.
+Reference model (conftest.py's ref4, shared with test_speculative.py): transformers' qwen4_exp, float64, 4 layers
+(3 GDN + 1 attention with QSA budget 8 tokens), PLE, 8 experts top-2; test_model.py checks the full forward on 8
+layers. Prompts hold EOS tokens (PLE n-gram segments) and generation runs far past the QSA budget. The decode
+steps of a model with 2 attention layers (the synthetic NVFP4 model, 8 layers) are checked against the full
+forward by test_mtp_drafts_equal_the_teacher_forced_head: every draft reads the main model's state.
 Tolerances: decode-step logits vs the full forward, both float32: 1e-4 of the largest logit (measured 1e-6).
 """
 
@@ -13,15 +16,17 @@ import pytest
 import torch
 
 import jaxflash
-from jaxflash import synthetic
 from jaxflash.engine import PlanError, planner
 from jaxflash.engine.sampling import SamplingParams, SamplingRows, sample
+from jaxflash.engine.scheduler import Stats
 
-from hf_reference import build_hf_model, hf_logits, near_ties, save_checkpoint, tiny_hf_config
+from hf_reference import hf_logits, near_ties
 from numerics import rel_err
 
 TOL = 1e-4
 SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+# conftest.py's engines, shared with other files: the reference model's and the NVFP4 model's
+REF4, NVFP4 = pytest.mark.xdist_group("ref4"), pytest.mark.xdist_group("nvfp4")
 
 
 def prompt(rng, n, vocab, eos, eos_at=()):
@@ -31,36 +36,29 @@ def prompt(rng, n, vocab, eos, eos_at=()):
     return [int(x) for x in p]
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    hcfg = tiny_hf_config(num_hidden_layers=8, indexer_n_heads=8)
-    model = build_hf_model(hcfg, seed=0)
-    path = tmp_path_factory.mktemp("engine_f32")
-    save_checkpoint(model, path)
-    return hcfg, model, path
+@pytest.fixture
+def ref(ref4):
+    return ref4
 
 
-@pytest.fixture(scope="module")
-def engine(ref):
-    return jaxflash.load(ref[2], **SMALL)
+@pytest.fixture
+def engine(ref4_engine):
+    return ref4_engine
 
 
-@pytest.fixture(scope="module")
-def nvfp4_dir(tmp_path_factory):
-    """A synthetic tiny model with NVFP4 experts (16 experts, top-4): the layout the host pool holds."""
-    out = tmp_path_factory.mktemp("nvfp4")
-    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(out), progress=False)
-    return str(out)
+@pytest.fixture
+def on_device(nvfp4_mtp):
+    """conftest.py's synthetic NVFP4 model (nvfp4_dir: 16 experts, top-4, the layout the host pool holds) with every
+    expert on the device and the MTP head drafting; shared with test_speculative.py."""
+    return nvfp4_mtp
 
 
-@pytest.fixture(scope="module")
-def on_device(nvfp4_dir):
-    return jaxflash.load(nvfp4_dir, expert_residency="device", mtp_drafts=True, **SMALL)
-
-
+@REF4
 def test_greedy_equals_reference_generate(ref, engine):
     hcfg, model, _ = ref
-    rng = np.random.default_rng(0)
+    # a prompt whose greedy continuation never picks EOS (which generate(min_new_tokens=n) suppresses) and has
+    # no pick near a tie (checked below)
+    rng = np.random.default_rng(9)
     p = prompt(rng, 21, hcfg.vocab_size, hcfg.eos_token_id, eos_at=[7])
     n = 40  # prompt + generation reach 61 tokens: far past the QSA budget of 8
     theirs = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):]
@@ -73,6 +71,7 @@ def test_greedy_equals_reference_generate(ref, engine):
     assert ours == theirs
 
 
+@REF4
 def test_decode_step_logits_equal_full_forward(ref, engine):
     hcfg, model, _ = ref
     rng = np.random.default_rng(1)
@@ -84,6 +83,7 @@ def test_decode_step_logits_equal_full_forward(ref, engine):
     assert rel_err(logits, hf_logits(model, seq)[len(p) - 1 :]) < TOL
 
 
+@REF4
 def test_ragged_batch_equals_alone(ref, engine):
     hcfg = ref[0]
     rng = np.random.default_rng(2)
@@ -98,6 +98,7 @@ def test_ragged_batch_equals_alone(ref, engine):
     assert [len(o) for o in together] == kw["max_new_tokens"]
 
 
+@REF4
 def test_stop_tokens_and_eos(ref, engine):
     hcfg = ref[0]
     rng = np.random.default_rng(3)
@@ -113,6 +114,7 @@ def test_stop_tokens_and_eos(ref, engine):
     assert eos not in out and (len(out) == 25 or free[len(out)] == eos)
 
 
+@REF4
 def test_compile_count_constant_over_long_generation(ref, engine):
     """warm_up compiles every program serving uses (decode in buckets of 1, 2 and 4 slots, plain and with
     logprobs and masks); long generations of 1, 2 and 5 requests then compile nothing more."""
@@ -129,6 +131,7 @@ def test_compile_count_constant_over_long_generation(ref, engine):
     assert engine.scheduler.compile_counts() == before
 
 
+@REF4
 def test_bad_requests_are_refused(engine):
     for bad in ([], [[]], [[1, 2, -1]], [[1, 2, 10_000]], [["a"]], "text"):
         with pytest.raises(ValueError):
@@ -148,6 +151,7 @@ def _device_bytes(tree) -> int:
     return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
 
 
+@NVFP4
 def test_planned_dense_bytes_are_the_loaded_bytes(nvfp4_dir, on_device):
     """The plan counts the dense weights as they sit on the device: the MTP head's experts stay FP8 in 128x128
     blocks with float32 tile scales (as stored, 2.6 GiB at full size, where dequantised bf16 took 5 GiB);
@@ -167,10 +171,12 @@ def test_planned_dense_bytes_are_the_loaded_bytes(nvfp4_dir, on_device):
         jaxflash.load(nvfp4_dir, expert_residency="device", mtp=False, mtp_drafts=True, **SMALL)
 
 
-def test_mtp_head_is_loaded_but_not_run_by_default(nvfp4_dir, on_device):
+@NVFP4
+def test_mtp_head_is_loaded_but_not_run_by_default(nvfp4_plain, on_device):
     """By default the head is loaded (Engine.mtp_logits works) but the decode steps do not run it: no drafts,
-    no MTP state, the same tokens as an engine that drafts."""
-    plain = jaxflash.load(nvfp4_dir, expert_residency="device", **SMALL)
+    no MTP state, the same tokens as an engine that drafts (conftest.py's nvfp4_plain: the same model and
+    geometry, loaded with the defaults)."""
+    plain = nvfp4_plain
     assert plain.params.mtp is not None and not plain.mtp
     assert plain.mtp_logits([1, 2, 3]).shape[0] == 2  # rows 0 and 1 guess tokens 2 and 3
     p = [int(t) for t in np.random.default_rng(12).integers(0, plain.config.vocab_size, 9)]
@@ -179,6 +185,7 @@ def test_mtp_head_is_loaded_but_not_run_by_default(nvfp4_dir, on_device):
     assert toks == on_device.scheduler.step_logits(p, steps=6)[0]
 
 
+@NVFP4
 def test_host_residency_equals_device(nvfp4_dir, on_device):
     host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=8, **{**SMALL, "max_batch": 2})
     assert host.plan.residency == "host" and host.params.layers[0].moe.experts is None
@@ -196,6 +203,7 @@ def test_host_residency_equals_device(nvfp4_dir, on_device):
         host.logits([1, 2, 3])
 
 
+@NVFP4
 def test_constant_eviction(nvfp4_dir, on_device):
     """4 slots per layer for 16 experts routed 4 per token: nearly every step evicts."""
     tiny = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=4, **{**SMALL, "max_batch": 1})
@@ -273,6 +281,7 @@ def test_bundled_model_is_the_trained_release_layout():
     assert not any(spec[t] for t in ("<think>", "</think>", "<tool_call>", "</tool_call>"))
 
 
+@NVFP4
 def test_mtp_drafts_equal_the_teacher_forced_head(on_device):
     """The step runs the MTP head on (state at t, token t+1) for every token, keeping its own KV pages: each
     draft equals Engine.mtp_logits over the whole sequence (which recomputes everything from position 0)."""
@@ -281,6 +290,7 @@ def test_mtp_drafts_equal_the_teacher_forced_head(on_device):
     toks, _, drafts = on_device.scheduler.step_logits(p, steps=12)
     ref = on_device.mtp_logits(p + toks)  # row t: from the state at t and token t+1
     assert rel_err(drafts, ref[len(p) - 1 :]) < TOL
+    on_device.scheduler.stats = Stats()  # a shared engine: count this generation's drafts only
     on_device.generate([p], max_new_tokens=20, ignore_eos=True)
     st = on_device.scheduler.stats
     assert st.mtp_drafts >= 19 and 0 <= st.mtp_acceptance <= 1
@@ -307,9 +317,11 @@ class Replay:
         return np.repeat(self.take(1), batch, axis=1)
 
 
+@NVFP4
 def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
     """Routing fixed from outside (runner.RoutingSource) to exactly what the routers choose gives the same
     tokens as the routers themselves, with every expert on the device and through the host cache."""
+    import jax
     import jax.numpy as jnp
 
     from jaxflash.model import transformer
@@ -318,7 +330,8 @@ def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
     p = prompt(np.random.default_rng(8), 14, cfg.vocab_size, cfg.eos_token_id, eos_at=[4])  # one 16-token chunk
     out = on_device.generate([p], max_new_tokens=12, ignore_eos=True)[0]
     seq = p + out
-    _, routing = transformer.forward_hidden(on_device.params, cfg, jnp.asarray(seq), return_routing=True)
+    routed = jax.jit(lambda w, t: transformer.forward_hidden(w, cfg, t, return_routing=True)[1])  # eager: 5x longer
+    routing = routed(on_device.params, jnp.asarray(seq))
     ids = np.stack([np.asarray(r.ids) for r in routing])  # [L, T, k]
     engines = {}
     for residency in ("device", "host"):

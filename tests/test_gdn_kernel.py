@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import presets, synthetic
+from jaxflash import presets
 from jaxflash.config import FULL_ATTENTION
 from jaxflash.kernels import gdn_decode, on_gpu
 from jaxflash.model import gated_deltanet as gdn
@@ -69,7 +69,10 @@ def test_decode_step_matches_twin(dt, heads, gate, block_v, monkeypatch):
     assert rel_err(y1, y0) < (1e-5 if dt == jnp.float32 else 8e-3)
     excess_precision = dt == jnp.bfloat16 and on_gpu()
     assert rel_err(s1.recurrent, s0.recurrent) < (4e-3 if excess_precision else 1e-5)
-    np.testing.assert_array_equal(np.asarray(s1.conv, np.float32), np.asarray(s0.conv, np.float32))
+    # the conv states: the kept rows exactly, the new row (the qkv projection, which XLA may compile differently
+    # in the two programs: 1-ulp differences on an AMD EPYC CPU) to float32 rounding, or one bfloat16 ulp
+    np.testing.assert_array_equal(np.asarray(s1.conv[:, :-1], np.float32), np.asarray(s0.conv[:, :-1], np.float32))
+    assert rel_err(s1.conv, s0.conv) < (1e-6 if dt == jnp.float32 else 8e-3)
     for s in (s0, s1):  # padding row 1 and rows 3, 4 outside the step: unchanged
         for row in (1, 3, 4):
             np.testing.assert_array_equal(np.asarray(s.recurrent[row]), np.asarray(st.recurrent[row]))
@@ -104,27 +107,22 @@ def test_takes():
     assert gdn_decode.takes(presets.preset("full"), jnp.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gdn_kernel")
-    synthetic.make_model("tiny", "bf16", seed=4, out=str(out), progress=False)
-    return str(out)
+@pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
+def test_default_is_the_kernel_on_a_gpu_only(nvfp4_plain):
+    assert nvfp4_plain.gdn_kernel == on_gpu()  # conftest.py's engine, loaded with the defaults
 
 
-def test_default_is_the_kernel_on_a_gpu_only(tiny_dir):
-    kw = dict(max_batch=1, max_seq_len=32, prefill_chunk=16, progress=False)
-    assert jaxflash.load(tiny_dir, **kw).gdn_kernel == on_gpu()
-
-
-def test_engine_decode_with_the_kernel_equals_xla(tiny_dir, monkeypatch):
+@pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
+def test_engine_decode_with_the_kernel_equals_xla(nvfp4_dir, nvfp4_plain, trace_decode, monkeypatch):
     """Decoding with the kernel gives the XLA path's tokens and, every decode step, its logits to float32
-    noise (1e-5 of the largest logit)."""
+    noise (1e-5 of the largest logit). The XLA path is conftest.py's engine of the same model and geometry
+    where that is its default (not on a GPU)."""
     traced = []
     real = gdn_decode.recurrent_step
     monkeypatch.setattr(gdn_decode, "recurrent_step", lambda *a, **k: traced.append(1) or real(*a, **k))
-    kw = dict(max_batch=2, max_seq_len=64, prefill_chunk=16, progress=False)
-    on = jaxflash.load(tiny_dir, gdn_kernel=True, **kw)
-    off = jaxflash.load(tiny_dir, gdn_kernel=False, **kw)
+    kw = dict(expert_residency="device", max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+    on = jaxflash.load(nvfp4_dir, gdn_kernel=True, **kw)
+    off = nvfp4_plain if not nvfp4_plain.gdn_kernel else jaxflash.load(nvfp4_dir, gdn_kernel=False, **kw)
     cfg = on.config
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 11)]
     toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
@@ -132,6 +130,7 @@ def test_engine_decode_with_the_kernel_equals_xla(tiny_dir, monkeypatch):
     assert len(traced) >= gdn_layers  # the decode program's GDN layers went through the kernel
     n = len(traced)
     toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
+    trace_decode(off)  # its programs may have been built before the patch: trace its decode step again
     assert len(traced) == n  # and gdn_kernel=False never calls it
     assert toks_on == toks_off
     assert rel_err(logits_on, logits_off) < 1e-5

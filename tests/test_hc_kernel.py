@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import presets, synthetic
+from jaxflash import presets
 from jaxflash.kernels import hc_mix
 from jaxflash.model import hyper_connection as hc
 
@@ -106,29 +106,25 @@ def test_takes_and_fallback(monkeypatch):
     np.testing.assert_array_equal(np.asarray(x1), np.asarray(x0))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hc_kernel")
-    synthetic.make_model("tiny", "bf16", seed=5, out=str(out), progress=False)
-    return str(out)
-
-
-def test_engine_decode_with_the_kernels_equals_xla(tiny_dir, monkeypatch):
+@pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
+def test_engine_decode_with_the_kernels_equals_xla(nvfp4_dir, nvfp4_plain, trace_decode, monkeypatch):
     """Decoding with the kernels gives the XLA path's tokens and, every decode step, its logits to float32
     noise (1e-5 of the largest logit); the decode program's mixes (two per layer and the final one) went
-    through them."""
+    through them. The XLA path is conftest.py's engine of the same model and geometry, loaded with the
+    defaults."""
     traced = []
     real = hc_mix.mix
     monkeypatch.setattr(hc_mix, "mix", lambda *a, **k: traced.append(1) or real(*a, **k))
-    kw = dict(max_batch=2, max_seq_len=64, prefill_chunk=16, progress=False)
-    on = jaxflash.load(tiny_dir, hc_kernel=True, **kw)
-    off = jaxflash.load(tiny_dir, **kw)
+    on = jaxflash.load(nvfp4_dir, expert_residency="device", hc_kernel=True, max_batch=4, max_seq_len=128,
+                       prefill_chunk=16, progress=False)
+    off = nvfp4_plain
     cfg = on.config
     prompt = [int(t) for t in np.random.default_rng(11).integers(0, cfg.vocab_size, 9)]
     toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
     assert len(traced) >= 2 * cfg.num_hidden_layers + 1
     n = len(traced)
     toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
+    trace_decode(off)  # its programs may have been built before the patch: trace its decode step again
     assert len(traced) == n  # the default engine never calls them
     assert toks_on == toks_off
     assert rel_err(logits_on, logits_off) < 1e-5

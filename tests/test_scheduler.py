@@ -15,9 +15,13 @@ from jaxflash.engine import runner as runner_mod
 from jaxflash.tokenizer import Tokenizer
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return jaxflash.load(max_batch=3, max_seq_len=192, prefill_chunk=16, progress=False)
+pytestmark = pytest.mark.xdist_group("bundled")  # conftest.py's bundled engine, shared with test_speculative.py
+
+
+@pytest.fixture
+def engine(bundled):
+    """3 slots of 192 tokens, 16-token prefill chunks (conftest.py)."""
+    return bundled
 
 
 @pytest.fixture(scope="module")
@@ -237,27 +241,38 @@ def test_decode_runs_the_smallest_bucket(engine, tok, monkeypatch):
 def test_context_buckets_give_the_whole_context_tokens(engine, monkeypatch):
     """With a short context bucket of 64 positions in a 192-token engine, decode steps read 64 positions while
     every running sequence is shorter, then the whole context; the tokens equal the one-bucket engine's, for a
-    sequence crossing the bucket alone and beside a longer one (whose length sets the bucket of the step)."""
+    sequence crossing the bucket alone and beside a longer one (whose length sets the bucket of the step). The
+    same engine serves both ways: its scheduler picks each step's span from `spans`, which it builds from
+    context_spans, so the buckets of SHORT_SPAN 64 are set there for the bucketed runs."""
     from jaxflash.engine import scheduler as scheduler_mod
 
     assert scheduler_mod.context_spans(32768, 16) == [4096, 32768]
     assert scheduler_mod.context_spans(4096, 16) == [4096] and scheduler_mod.context_spans(192, 16) == [192]
-    assert engine.scheduler.spans == [192]  # built before the patch below
+    sched = engine.scheduler
+    assert sched.spans == scheduler_mod.context_spans(sched.max_seq_len, engine.plan.page_size) == [192]
     monkeypatch.setattr(scheduler_mod, "SHORT_SPAN", 64)
-    short = jaxflash.load(max_batch=3, max_seq_len=192, prefill_chunk=16, progress=False)
-    assert short.scheduler.spans == [64, 192]
+    short = scheduler_mod.context_spans(sched.max_seq_len, engine.plan.page_size)
+    assert short == [64, 192]
     spans = []
-    real = short.scheduler.runner.decode
-    monkeypatch.setattr(short.scheduler.runner, "decode", lambda *a, **k: spans.append(k["span"]) or real(*a, **k))
+    real = sched.runner.decode
+
+    def bucketed(prompts, **kw):
+        """Generate with the 64-position bucket; every decode step's span recorded."""
+        with monkeypatch.context() as m:
+            m.setattr(sched, "spans", short)
+            m.setattr(sched.runner, "decode", lambda *a, **k: spans.append(k["span"]) or real(*a, **k))
+            return engine.generate(prompts, **kw)
+
     rng = np.random.default_rng(21)
     v = engine.config.vocab_size
     crossing = [int(t) for t in rng.integers(0, v, 50)]  # positions 50..89: the bucket changes at 63
     longer = [int(t) for t in rng.integers(0, v, 100)]
     kw = dict(max_new_tokens=40, ignore_eos=True)
-    assert short.generate([crossing], **kw) == engine.generate([crossing], **kw)
+    assert bucketed([crossing], **kw) == engine.generate([crossing], **kw)
     assert spans[0] == 64 and spans[-1] == 192 and spans.count(64) == 64 - 50  # positions 50..63 fit in 64
     spans.clear()
-    assert short.generate([crossing, longer], **kw) == engine.generate([crossing, longer], **kw)
+    assert bucketed([crossing, longer], **kw) == engine.generate([crossing, longer], **kw)
     first = spans.index(192)  # once the longer one runs (admissions come one per step), the whole context
     assert first <= 2 and set(spans[first:]) == {192}
-    assert "decode@1:64" in short.scheduler.compile_counts()
+    assert "decode@1:64" in sched.compile_counts()
+    assert sched.spans == [192] and sched.runner.decode == real  # the shared engine as it was

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 
 import httpx
@@ -23,9 +22,10 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 import jaxflash  # noqa: E402
-from jaxflash.server import create_app  # noqa: E402
 from jaxflash.tokenizer import Tokenizer  # noqa: E402
-from serving import KEY, forced, load_small  # noqa: E402
+from serving import KEY, forced  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("server")  # conftest.py's tiny_server, shared with test_server_hostile.py
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -247,37 +247,29 @@ def test_errors(server, oai):
     assert httpx.get(url + "/nope", headers=h).status_code == 404
 
 
-def test_health_and_queue_limits():
-    gate = threading.Event()
-
-    def slow_load():
-        gate.wait(60)
-        return load_small()
-
-    app = create_app(slow_load, model_name="tiny", max_waiting=0)
-    from fastapi.testclient import TestClient
-
-    with TestClient(app) as c:
-        r = c.get("/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
-        assert c.get("/v1/models").status_code == 503
-        gate.set()
-        seen = []
-        for _ in range(3000):
-            r = c.get("/health")
-            seen.append(r.json()["status"])
-            if r.status_code == 200:
-                break
-            time.sleep(0.1)
-        assert seen[-1] == "ok" and "warming up" in seen  # ready means compiled: it compiles before it says ok
-        state = app.state.jaxflash
-        compiled = set(state.engine.scheduler.compile_counts())
-        assert compiled == {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
-            f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}, compiled  # max_batch 4
-        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 503 and r.headers["retry-after"]  # max_waiting=0: the queue is always full
-        state.worker.dead = "simulated failure"
-        assert c.get("/health").status_code == 503
+def test_health_and_queue_limits(tiny_server_start):
+    """/health through the shared server's start (conftest.py holds its loading until the server has answered):
+    "loading" and model endpoints 503 while the model loads, "warming up" while it compiles, ok only once every
+    program serving uses is compiled; then a full queue and a dead engine thread are 503s."""
+    url, state, start = tiny_server_start
+    assert start["health"][0] == (503, "loading") and start["models"] == 503
+    seen = [status for _, status in start["health"]]
+    assert start["health"][-1] == (200, "ok") and "warming up" in seen  # ready means compiled: it compiles first
+    assert start["compiled"] == {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
+        f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}, start["compiled"]  # max_batch 4
+    worker, h = state.worker, {"Authorization": f"Bearer {KEY}"}
+    limit, worker.max_waiting = worker.max_waiting, 0  # what create_app(max_waiting=0) sets: always full
+    try:
+        r = httpx.post(url + "/v1/completions", headers=h, json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+    finally:
+        worker.max_waiting = limit
+    worker.dead = "simulated failure"
+    try:
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        worker.dead = None
+    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_concurrency_with_cancellations(server):

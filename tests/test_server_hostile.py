@@ -30,6 +30,8 @@ from jaxflash.server.vocab import Vocab
 from jaxflash.tokenizer import Tokenizer
 from serving import KEY, forced
 
+pytestmark = pytest.mark.xdist_group("server")  # conftest.py's tiny_server, shared with test_server.py
+
 H = {"Authorization": f"Bearer {KEY}"}
 ENDLESS = "start: /[a-z ]{20000}/"  # never complete within a request's tokens: no early end
 BATCH = 4  # load_small's max_batch

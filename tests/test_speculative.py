@@ -19,16 +19,18 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import synthetic
 from jaxflash.engine import speculative
 from jaxflash.engine.runner import Want
 from jaxflash.engine.sampling import sample_row, verify_row
+from jaxflash.engine.scheduler import VERIFY_RICH, Stats
 from jaxflash.tokenizer import Tokenizer
 
-from hf_reference import build_hf_model, save_checkpoint, tiny_hf_config
 from numerics import rel_err
 
 SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+# conftest.py's engines, shared with test_engine.py: the reference model's and the NVFP4 model's (and the bundled
+# model's, shared with test_scheduler.py)
+REF4, NVFP4 = pytest.mark.xdist_group("ref4"), pytest.mark.xdist_group("nvfp4")
 
 
 def repetitive(rng, vocab, eos, n, period):
@@ -39,18 +41,10 @@ def repetitive(rng, vocab, eos, n, period):
 
 
 @pytest.fixture(scope="module")
-def ref_dir(tmp_path_factory):
-    # 4 layers (3 GDN, 1 attention with QSA, PLE at layer 2): every kind of state, half the compile time of 8
-    model = build_hf_model(tiny_hf_config(num_hidden_layers=4, indexer_n_heads=8), seed=0)
-    path = tmp_path_factory.mktemp("spec_f32")
-    save_checkpoint(model, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def engines(ref_dir):
-    return (jaxflash.load(ref_dir, **SMALL),
-            jaxflash.load(ref_dir, speculative="ngram", draft_tokens=3, **SMALL))
+def engines(ref4, ref4_engine):
+    """conftest.py's reference checkpoint (4 layers: 3 GDN, 1 attention with QSA, PLE at layer 2: every kind of
+    state) plainly, in the engine test_engine.py shares, and speculating with 3 drafts."""
+    return ref4_engine, jaxflash.load(ref4[2], speculative="ngram", draft_tokens=3, **SMALL)
 
 
 def prompts_of(cfg, seed=1):
@@ -61,21 +55,23 @@ def prompts_of(cfg, seed=1):
             repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, 3)]
 
 
-def _with_logprobs(engine, prompts, n=40):
-    """Greedy generation with 2 logprobs per token: [(prompt index, token, (logprob, top)), ...]."""
+def _with_logprobs(engine, prompts, n=40, temperature=0.0, top_k=0, seed=0):
+    """Generation (greedy by default) with 2 logprobs per token: [(prompt index, token, (logprob, top)), ...]."""
     sched = engine.scheduler
-    reqs = sched.make_requests(prompts, max_new_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                               stop=None, eos_ids=(), ignore_eos=True)
+    reqs = sched.make_requests(prompts, max_new_tokens=n, temperature=temperature, top_p=1.0, top_k=top_k, min_p=0.0,
+                               seed=seed, stop=None, eos_ids=(), ignore_eos=True)
     for r in reqs:
         r.logprobs = 2
     return [(e.request.index, e.token, e.logprob) for e in sched.run(reqs) if e.token is not None]
 
 
+@REF4
 def test_greedy_speculation_equals_plain(engines):
     """A batch of three (one without repetitions) with logprobs, then each prompt alone: plain decoding's tokens,
     and logprobs from the verify rows within 1e-4 of plain decoding's (float32)."""
     plain, spec = engines
     prompts = prompts_of(plain.config)
+    spec.scheduler.stats = Stats()  # this batch's drafts only
     a, b = _with_logprobs(plain, prompts), _with_logprobs(spec, prompts)
     by_req = lambda ev, i: [(t, lp) for j, t, lp in ev if j == i]  # noqa: E731
     want = []
@@ -92,6 +88,7 @@ def test_greedy_speculation_equals_plain(engines):
         assert spec.generate([p], max_new_tokens=40, ignore_eos=True)[0] == w
 
 
+@REF4
 def test_stops_and_lengths_inside_drafts(engines):
     """A stop token or max_new_tokens that lands inside an accepted draft ends the request there."""
     plain, spec = engines
@@ -104,6 +101,7 @@ def test_stops_and_lengths_inside_drafts(engines):
         assert spec.generate([p], **kw) == plain.generate([p], **kw)
 
 
+@REF4
 def test_compile_counts_stay_constant(engines):
     """After a first round of requests no program compiles again."""
     _, spec = engines
@@ -115,39 +113,48 @@ def test_compile_counts_stay_constant(engines):
     assert all(v == 1 for v in counts.values()) and any(k.startswith("verify") for k in counts)
 
 
+@REF4
 def test_sampled_speculation_is_reproducible(engines):
+    """A sampled batch of three, seeded, twice: the same tokens. With logprobs asked, which change no token, so
+    that the batch runs the programs the greedy batch compiled."""
     _, spec = engines
     prompts = prompts_of(spec.config, seed=5)
-    kw = dict(max_new_tokens=25, ignore_eos=True, temperature=0.9, top_k=20, seed=11)
-    a = spec.generate(prompts, **kw)
-    assert a == spec.generate(prompts, **kw)
+
+    def tokens():
+        events = _with_logprobs(spec, prompts, 25, temperature=0.9, top_k=20, seed=11)
+        return [[t for j, t, _ in events if j == i] for i in range(len(prompts))]
+
+    a = tokens()
+    assert a == tokens()
     assert all(len(x) == 25 and all(0 <= t < spec.config.vocab_size for t in x) for x in a)
 
 
-def test_host_residency_with_constant_eviction(tmp_path):
+@NVFP4
+def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp):
     """Verify steps over host-resident experts (one sequence, 2 drafts: 12 slots for 16 experts, 4 per token,
-    the fewest a step of 3 rows may need) equal plain decoding with every expert on the device."""
-    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(tmp_path), progress=False)
-    on_device = jaxflash.load(tmp_path, expert_residency="device", **SMALL)
-    host = jaxflash.load(tmp_path, expert_residency="host", cache_slots=12, speculative="ngram", draft_tokens=2,
+    the fewest a step of 3 rows may need) equal plain decoding with every expert on the device (an engine that
+    also runs its MTP head each step, which changes no token: test_engine.py checks)."""
+    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, speculative="ngram", draft_tokens=2,
                          **{**SMALL, "max_batch": 1})
     cfg = host.config
     rng = np.random.default_rng(6)
     kw = dict(max_new_tokens=40, ignore_eos=True)
     for _ in range(6):  # phrases of 2 to 5 tokens: some continuations repeat, and their drafts are kept
         p = [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, int(rng.integers(2, 6)))]
-        assert host.generate(p, **kw) == on_device.generate(p, **kw)
+        assert host.generate(p, **kw) == nvfp4_mtp.generate(p, **kw)
     st = host.scheduler.stats
     assert st.drafts_accepted > 0 and st.expert_misses > 0.15 * st.expert_lookups  # it evicts (measured: 24% miss)
 
 
-def test_bundled_model_greedy_equals_plain():
-    kw = dict(max_batch=2, max_seq_len=256, progress=False)
-    plain = jaxflash.load(None, **kw)
-    spec = jaxflash.load(None, speculative="ngram", draft_tokens=3, **kw)
+@pytest.mark.xdist_group("bundled")
+def test_bundled_model_greedy_equals_plain(bundled):
+    """On the trained model, whose text repeats, drafts are kept; the tokens are plain decoding's (conftest.py's
+    engine of the same geometry)."""
+    spec = jaxflash.load(None, speculative="ngram", draft_tokens=3, max_batch=3, max_seq_len=192, prefill_chunk=16,
+                         progress=False)
     text = "The cat sat on the mat. The cat sat on the mat. The dog sat on the"
     p = Tokenizer(jaxflash.DEFAULT_MODEL).encode(text)
-    want = plain.generate([p], max_new_tokens=40)
+    want = bundled.generate([p], max_new_tokens=40)
     assert spec.generate([p], max_new_tokens=40) == want
     assert spec.scheduler.stats.drafts_accepted > 0
 
@@ -236,6 +243,7 @@ def _set_drafts(runner, drafts: np.ndarray, n_draft: np.ndarray) -> None:
     runner._state = jax.tree.leaves(dataclasses.replace(st, spec=spec))
 
 
+@REF4
 def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
     """Two sequences in one batch, fed plain decoding's own next tokens as drafts with one wrong token placed so
     that every step keeps a different number (0 to K, and none fed): each step emits exactly plain decoding's
@@ -270,7 +278,8 @@ def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
                     drafts[r.slot, wrong] = (toks[n + wrong] + 1) % plain.config.vocab_size
                 want_kept.append(0 if wrong == k + 1 else min(wrong, k))
             _set_drafts(runner, drafts, n_draft)
-            o = runner.verify(np.full(runner.setup.max_batch, k, np.int32)).result()
+            # with logprobs: the verify program of the greedy batch (whose outputs hold these fields too)
+            o = runner.verify(np.full(runner.setup.max_batch, k, np.int32), VERIFY_RICH).result()
             for b, r in enumerate(reqs):
                 kept = int(o.accepted[r.slot])
                 assert kept == want_kept[b] and int(o.n_draft[r.slot]) == n_draft[r.slot]

@@ -10,16 +10,15 @@ import sys
 import jax
 import pytest
 
-import jaxflash
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import trace_parts  # noqa: E402
 
 
-def test_decode_step_time_splits_by_part(tmp_path):
-    # mtp_drafts: the MTP head runs in the decode step, so its part is attributed too
-    engine = jaxflash.load(max_batch=2, max_seq_len=128, prefill_chunk=16, mtp_drafts=True, progress=False)
-    sched = engine.scheduler
+@pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
+def test_decode_step_time_splits_by_part(nvfp4_mtp, tmp_path):
+    # conftest.py's synthetic NVFP4 model, every block of the real one; mtp_drafts: the MTP head runs in the
+    # decode step, so its part is attributed too
+    sched = nvfp4_mtp.scheduler
     (req,) = sched.make_requests([[5, 6, 7, 8]], max_new_tokens=40, temperature=0.0, top_p=1.0, top_k=0,
                                  min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
     sched.submit(req)
@@ -34,7 +33,7 @@ def test_decode_step_time_splits_by_part(tmp_path):
     while not sched.idle:
         sched.step()
     events = trace_parts.gpu_kernels(str(tmp_path), module="jit_decode")
-    r = trace_parts.summarise(events, steps, sched.runner.program_text("decode"))
+    r = trace_parts.summarise(events, steps, sched.runner.program_text("decode", rows=1))  # the traced bucket
     parts = r["parts_ms_per_step"]
     for part in ("GDN", "attention", "hyper-connections", "router", "routed experts", "shared expert", "PLE",
                  "PLE host step", "MTP head", "final mixer + lm_head", "sampling"):
