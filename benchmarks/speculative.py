@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Speculative decoding with n-gram drafts on the bundled model's held-out text: acceptance and speed.
+"""Speculative decoding on the bundled model's held-out text: acceptance and speed of n-gram and MTP drafts.
 
-W windows of the held-out token stream (scripts/train_tiny.py's documents, as benchmarks/routing.py rebuilds
-them) are prompts of P tokens; each is continued greedily for N tokens by plain decoding and by n-gram
-speculation with K = 1, 2, 3 drafts (one sequence, max_batch 1). Greedy speculation must give plain decoding's
+W windows of the held-out token stream (scripts/train_tiny.py's documents, as benchmarks/routing.py rebuilds them)
+are prompts of P tokens; each is continued greedily for N tokens by plain decoding and by speculation with each
+proposer (--spec) and K = 1, 2, 3 drafts (one sequence, max_batch 1). Greedy speculation must give plain decoding's
 tokens, and the script checks that it did. Per configuration: tokens per step (generated / decode steps,
 verify steps included), drafts fed and kept, the fraction kept, decode wall time per token (prefill excluded:
 the first token's time is taken off) and the speedup over plain decoding.
 
     python benchmarks/speculative.py                      # the bundled model on this machine's CPU
     python benchmarks/speculative.py --windows 4 --new 32 # a quick run
+    python benchmarks/speculative.py --spec mtp           # MTP drafts only
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(engine, prompts, new: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    ap.add_argument("--spec", default="ngram,mtp", help="comma-separated proposers: ngram, mtp")
     ap.add_argument("--draft-tokens", default="1,2,3", help="comma-separated K values")
     ap.add_argument("--windows", type=int, default=8, help="prompts taken from the held-out stream")
     ap.add_argument("--prompt", type=int, default=96, help="prompt tokens per window")
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="directory for speculative.json")
     args = ap.parse_args(argv)
+    specs = args.spec.split(",")
+    if not set(specs) <= {"ngram", "mtp"}:
+        ap.error(f"--spec takes ngram and/or mtp, got {args.spec!r}")
 
     import jax
     import numpy as np
@@ -80,33 +85,34 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "model": os.path.basename(os.path.normpath(model)),
            "stream_tokens": int(len(stream)), "windows": len(prompts), "prompt": args.prompt, "new": args.new,
            "runs": []}
-    ks = [0] + [int(x) for x in args.draft_tokens.split(",")]
+    ks = [(None, 0)] + [(s, int(x)) for s in specs for x in args.draft_tokens.split(",")]  # (proposer, K)
     engines = {}
-    for k in ks:
-        engines[k] = jaxflash.load(model, speculative="ngram" if k else None, draft_tokens=k or 3, **kw)
-        engines[k].warm_up(serving=False)
-        run(engines[k], prompts[:1], 4)  # every program once more, outside the timing
+    for c in ks:
+        engines[c] = jaxflash.load(model, speculative=c[0], draft_tokens=c[1] or 3, **kw)
+        engines[c].warm_up(serving=False)
+        run(engines[c], prompts[:1], 4)  # every program once more, outside the timing
     # the configurations take turns window by window, so that whatever else the machine does hits them alike
-    outs = {k: [] for k in ks}
-    secs = {k: 0.0 for k in ks}
-    stats = {k: None for k in ks}
+    outs = {c: [] for c in ks}
+    secs = {c: 0.0 for c in ks}
+    stats = {c: None for c in ks}
     for p in prompts:
-        for k in ks:
-            o, dt, st = run(engines[k], [p], args.new)
-            outs[k] += o
-            secs[k] += dt
-            stats[k] = st if stats[k] is None else {n: stats[k][n] + st[n] for n in st}
-    for k in ks:
-        st = stats[k]
-        tokens = sum(len(o) for o in outs[k]) - len(outs[k])  # the first token of each window is prefill's
-        row = {"draft_tokens": k, "tokens": tokens, "decode_steps": st["decode_steps"],
+        for c in ks:
+            o, dt, st = run(engines[c], [p], args.new)
+            outs[c] += o
+            secs[c] += dt
+            stats[c] = st if stats[c] is None else {n: stats[c][n] + st[n] for n in st}
+    plain = ks[0]
+    for c in ks:
+        (proposer, k), st = c, stats[c]
+        tokens = sum(len(o) for o in outs[c]) - len(outs[c])  # the first token of each window is prefill's
+        row = {"proposer": proposer, "draft_tokens": k, "tokens": tokens, "decode_steps": st["decode_steps"],
                "verify_steps": st["verify_steps"], "drafts_fed": st["drafts_fed"],
-               "drafts_kept": st["drafts_accepted"], "decode_s": secs[k], "ms_per_token": secs[k] / tokens * 1e3}
+               "drafts_kept": st["drafts_accepted"], "decode_s": secs[c], "ms_per_token": secs[c] / tokens * 1e3}
         row["tokens_per_step"] = tokens / max(st["decode_steps"], 1)
         row["kept_fraction"] = st["drafts_accepted"] / st["drafts_fed"] if st["drafts_fed"] else None
-        name = f"ngram K={k}" if k else "plain"
+        name = f"{proposer} K={k}" if k else "plain"
         if k:
-            row["equal_to_plain"] = sum(a == b for a, b in zip(outs[k], outs[0]))
+            row["equal_to_plain"] = sum(a == b for a, b in zip(outs[c], outs[plain]))
             row["speedup"] = res["runs"][0]["ms_per_token"] / row["ms_per_token"]
         res["runs"].append(row)
         line = (f"  {name:11s}: {row['tokens_per_step']:.2f} tokens/step ({tokens} tokens, {st['decode_steps']} "
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
         if k:
             kept = "-" if row["kept_fraction"] is None else f"{row['kept_fraction']:.0%}"
             line += (f", drafts {st['drafts_fed']} fed / {st['drafts_accepted']} kept ({kept}), speedup "
-                     f"{row['speedup']:.2f}x, {row['equal_to_plain']}/{len(outs[k])} windows equal to plain")
+                     f"{row['speedup']:.2f}x, {row['equal_to_plain']}/{len(outs[c])} windows equal to plain")
         print(line, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -3,9 +3,11 @@
 random model, built in memory): what a verify step of K drafts costs, and the decoding speed that gives.
 
 For each residency (--modes) an engine without speculation decodes --batch sequences by plain steps, and for
-each K in --draft-tokens an engine with speculative="ngram", draft_tokens=K decodes them by verify steps alone,
-K drafts per sequence set in the state before every step (random tokens, in place of the proposer's): every
-row of the step is then a real row, as in a step where the proposer found K drafts. A random model keeps none
+each proposer (--spec: ngram, mtp) and K in --draft-tokens an engine with speculative=proposer, draft_tokens=K
+decodes them by verify steps alone, K drafts per sequence set in the state before every step (random tokens, in
+place of the proposer's): every row of the step is then a real row, as in a step where the proposer found K
+drafts. With MTP drafts the step also runs the MTP head over its rows and chains it K - 1 times (the next
+step's drafts, overwritten), as it does in use. A random model keeps none
 of them, and a verify step's cost does not depend on how many it keeps (it computes all K+1 rows and commits
 the kept ones by masks), so acceptance enters afterwards: at tau tokens per verify step a sequence decodes
 tau / (verify step time) tokens per second. The program runs as the scheduler runs it: dispatched before the
@@ -20,7 +22,7 @@ speedup over plain decoding
 The routing is the random routers' own (near uniform over the experts): drafts of real text route alike more
 often than random tokens do, so the misses per verify step here are an upper bound.
 
-    python benchmarks/verify_step.py --modes host,device --draft-tokens 1,2,3 --out DIR          # on the GPU
+    python benchmarks/verify_step.py --modes host,device --spec ngram,mtp --draft-tokens 1,2,3 --out DIR  # GPU
     python benchmarks/verify_step.py --preset tiny --modes host,device --steps 4 --trace-steps 2  # CPU smoke run
 """
 
@@ -136,10 +138,10 @@ def speedups(plain: dict, run: dict, counts: dict | None) -> dict:
     k, t_p, t_v = run["draft_tokens"], plain["step_ms"], run["step_ms"]
     out = {"verify_over_plain": t_v / t_p, "all_kept": (k + 1) * t_p / t_v, f"tau_{TARGET_TAU}": TARGET_TAU * t_p / t_v}
     if counts:  # the bundled model's text: the same tokens in (plain steps) + (verify steps) against plain steps
-        c = counts.get(k)
+        c = counts.get((run["proposer"], k))
         if c:
             plain_steps = c["decode_steps"] - c["verify_steps"]
-            out["text"] = counts[0]["decode_steps"] * t_p / (plain_steps * t_p + c["verify_steps"] * t_v)
+            out["text"] = counts[None, 0]["decode_steps"] * t_p / (plain_steps * t_p + c["verify_steps"] * t_v)
             out["text_tokens_per_verify_step"] = 1 + c["drafts_kept"] / max(1, c["verify_steps"])
     return out
 
@@ -169,6 +171,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
     ap.add_argument("--modes", default="host,device", help="comma-separated: host (budgeted), device")
+    ap.add_argument("--spec", default="ngram", help="comma-separated proposers: ngram, mtp")
     ap.add_argument("--draft-tokens", default="1,2,3", help="comma-separated K (1 to 3)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
@@ -183,13 +186,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile-threads", type=int, default=4, help="configurations compiled at once")
-    ap.add_argument("--text-counts", default=os.path.join(HERE, "results", "speculative_cpu.json"),
+    ap.add_argument("--text-counts", default=os.path.join(HERE, "results", "speculative_cpu_mtp.json"),
                     help="benchmarks/speculative.py's JSON: the bundled model's step counts per K ('' for none)")
     ap.add_argument("--out", default=None, help="directory for verify_step.json")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.draft_tokens.split(",")]
     if not all(1 <= k <= 3 for k in ks):
         ap.error(f"--draft-tokens takes K from 1 to 3, got {args.draft_tokens!r}")
+    specs = args.spec.split(",")
+    if not set(specs) <= {"ngram", "mtp"}:
+        ap.error(f"--spec takes ngram and/or mtp, got {args.spec!r}")
     modes = args.modes.split(",")
     if not set(modes) <= {"host", "device"}:
         ap.error(f"--modes takes host and/or device, got {args.modes!r}")
@@ -206,26 +212,30 @@ def main(argv=None) -> int:
     counts = None
     if args.text_counts:
         with open(args.text_counts) as f:
-            counts = {r["draft_tokens"]: r for r in json.load(f)["runs"]}
+            # by (proposer, K); the first version of that JSON had n-gram runs only, without "proposer"
+            counts = {(r.get("proposer", "ngram" if r["draft_tokens"] else None), r["draft_tokens"]): r
+                      for r in json.load(f)["runs"]}
     out_dir = args.out = args.out or tempfile.mkdtemp(prefix="jaxflash_verify_")
     os.makedirs(out_dir, exist_ok=True)
     traces = tempfile.mkdtemp(prefix="jaxflash_traces_")
-    cfg = make_config(args.preset, ngram_rows_scale=args.ngram_rows_scale).replace(mtp_num_hidden_layers=0)
+    cfg = make_config(args.preset, ngram_rows_scale=args.ngram_rows_scale)
+    if "mtp" not in specs:  # no MTP head: its weights would only take memory
+        cfg = cfg.replace(mtp_num_hidden_layers=0)
     dev = jax.devices()[0]
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "
         f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.dtype}; "
-        f"batch {args.batch}, K {ks}")
+        f"batch {args.batch}, proposers {specs}, K {ks}")
     model = build_model(cfg, args, max_tokens=max(args.prefill_chunk, args.batch * (1 + max(ks))))
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch,
            "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
            "budget": args.budget, "routing": "the random routers' (near uniform)", "runs": []}
 
+    free, note = planner.device_free_bytes(dev)  # before the resident experts take their part of it
     dparams = device_resident(model) if "device" in modes else None
-    engines = []  # (name, mode, K, engine)
+    engines = []  # (name, mode, proposer, K, engine)
     for mode in modes:
-        for k in [0] + ks:
-            free, note = planner.device_free_bytes(dev)
+        for proposer, k in [(None, 0)] + [(p, k) for p in specs for k in ks]:
             plan = planner.plan(cfg, model.mb, residency=mode, free=free, free_note=note, max_batch=args.batch,
                                 budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                                 max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
@@ -234,8 +244,8 @@ def main(argv=None) -> int:
             if mode == "host":
                 host = HostExperts(model.pool, model.layout, plan.cache_slots, plan.staging_slots)
             eng = Engine(cfg, model.params if mode == "host" else dparams, plan=plan, host_experts=host,
-                         ngram=model.ngram, speculative="ngram" if k else None, draft_tokens=k or 3)
-            engines.append((f"{mode}-b{args.batch}-k{k}", mode, k, eng))
+                         ngram=model.ngram, speculative=proposer, draft_tokens=k or 3)
+            engines.append((f"{mode}-b{args.batch}-{proposer or 'plain'}{k or ''}", mode, proposer, k, eng))
 
     def programs(e, k):
         rows = next(b for b in e.scheduler.buckets if b >= args.batch)
@@ -244,16 +254,16 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(min(len(engines), args.compile_threads)) as ex:
-        list(ex.map(lambda e: e[3].scheduler.runner.compile(programs(e[3], e[2])), engines))
+        list(ex.map(lambda e: e[4].scheduler.runner.compile(programs(e[4], e[3])), engines))
     res["compile_s"] = time.perf_counter() - t0
     log(f"compiled {len(engines)} configurations' programs side by side in {res['compile_s']:.0f} s")
 
     rng = np.random.default_rng(1)
     prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, args.prompt)] for _ in range(args.batch)]
     plain = {}
-    for name, mode, k, eng in engines:
+    for name, mode, proposer, k, eng in engines:
         run = run_config(name, eng, prompts, k, args, os.path.join(traces, name))
-        run["mode"] = mode
+        run.update(mode=mode, proposer=proposer)
         if k == 0:
             plain[mode] = run
         elif mode in plain:

@@ -57,11 +57,11 @@ def memory_size(text: str) -> str:
 
 def add_speculative(ap: argparse.ArgumentParser) -> None:
     """--spec and --draft-tokens (jaxflash.load's speculative and draft_tokens)."""
-    ap.add_argument("--spec", choices=["none", "ngram"], default="none",
-                    help="speculative decoding: ngram drafts tokens from the text so far and verifies them in one "
-                         "step (the output is what plain decoding gives); default none")
+    ap.add_argument("--spec", choices=["none", "ngram", "mtp"], default="none",
+                    help="speculative decoding: drafts verified in one step (the output is what plain decoding "
+                         "gives), from the text so far (ngram) or from the model's MTP head (mtp); default none")
     ap.add_argument("--draft-tokens", type=int, choices=[1, 2, 3], default=3,
-                    help="drafts per sequence and verify step, with --spec ngram (default 3)")
+                    help="drafts per sequence and verify step, with --spec ngram or mtp (default 3)")
 
 
 def speculative(args) -> dict:

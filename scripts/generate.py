@@ -65,7 +65,7 @@ def generate(args) -> int:
     t0 = time.perf_counter()
     engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                            vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=1,
-                           max_seq_len=args.max_seq_len, mtp=False,
+                           max_seq_len=args.max_seq_len, mtp=args.spec == "mtp",
                            **cli.speculative(args))
     print(f"[loaded {model_dir} in {time.perf_counter() - t0:.1f} s: {engine.plan.summary()}]", file=sys.stderr)
     if args.chat:

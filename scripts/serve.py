@@ -71,14 +71,14 @@ def main(argv=None) -> int:
         tok = Tokenizer(model_dir)
         engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                                vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=args.max_batch,
-                               max_seq_len=args.max_seq_len, mtp=False, progress=True,
+                               max_seq_len=args.max_seq_len, mtp=args.spec == "mtp", progress=True,
                                **cli.speculative(args))
         plan = engine.plan
         print(f"\njaxflash serving {name!r} ({dtype}) on http://{args.host}:{args.port}\n"
               f"  experts: {plan.residency}" + (f", {plan.cache_slots} cache slots/layer" if plan.residency == "host"
                                                else "") +
               f"\n  concurrency: {plan.max_batch} sequences, context {plan.max_seq_len} tokens, "
-              + (f"{engine.draft_tokens} n-gram drafts per step, " if engine.draft_tokens else "") +
+              + (f"{engine.draft_tokens} {engine.speculative} drafts per step, " if engine.draft_tokens else "") +
               f"KV cache {plan.kv_tokens} tokens\n  compiling the programs (the compilation cache makes the next "
               "start faster) ...", flush=True)
         return engine, tok

@@ -1,12 +1,14 @@
-"""Speculative decoding (n-gram drafts, verify steps) against plain decoding.
+"""Speculative decoding (n-gram and MTP drafts, verify steps) against plain decoding.
 
-Greedy speculation must give plain decoding's tokens exactly: on the tiny reference model (4 layers: GDN,
-attention with QSA past its 8-token budget, PLE), with prompts whose repetitions give drafts that are kept and
-drafts that are rejected, in batches beside sequences without drafts, with stop tokens and max_new_tokens
-inside accepted drafts, with host-resident experts and a cache that evicts nearly every step, and on the
-bundled model. Sampled speculation must keep the sampling distribution: a chi-square test over 40,000 seeds
-of the acceptance rule on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test
-is deterministic).
+Greedy speculation must give plain decoding's tokens exactly: on the tiny reference model (4 layers: GDN, attention
+with QSA past its 8-token budget, PLE), with prompts whose repetitions give drafts that are kept and drafts that are
+rejected, in batches beside sequences without drafts, with stop tokens and max_new_tokens inside accepted drafts,
+with host-resident experts and a cache that evicts nearly every step, and on the bundled model. MTP drafts: after
+verify steps that keep every number of drafts, the drafts in the state equal the head chained over the whole
+sequence recomputed from position 0 (its KV pages ended where the sequence ended); greedy MTP speculation gives
+plain decoding's tokens on the bundled model (whose trained head gets drafts kept) and with host-resident experts.
+Sampled speculation must keep the sampling distribution: a chi-square test over 40,000 seeds of the acceptance rule
+on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test is deterministic).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxflash.tokenizer import Tokenizer
 from numerics import rel_err
 
 SMALL = dict(max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
+TOL = 1e-4  # float32 logits of two programs: relative to the largest logit
 # conftest.py's engines, shared with test_engine.py: the reference model's and the NVFP4 model's (and the bundled
 # model's, shared with test_scheduler.py)
 REF4, NVFP4 = pytest.mark.xdist_group("ref4"), pytest.mark.xdist_group("nvfp4")
@@ -130,11 +133,13 @@ def test_sampled_speculation_is_reproducible(engines):
 
 
 @NVFP4
-def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp):
+@pytest.mark.parametrize("proposer", ["ngram", "mtp"])
+def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp, proposer):
     """Verify steps over host-resident experts (one sequence, 2 drafts: 12 slots for 16 experts, 4 per token,
     the fewest a step of 3 rows may need) equal plain decoding with every expert on the device (an engine that
-    also runs its MTP head each step, which changes no token: test_engine.py checks)."""
-    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, speculative="ngram", draft_tokens=2,
+    also runs its MTP head each step, which changes no token: test_engine.py checks). The random model's MTP
+    head guesses badly: its drafts are rarely kept, and its requests fall back to plain steps (Spec)."""
+    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, speculative=proposer, draft_tokens=2,
                          **{**SMALL, "max_batch": 1})
     cfg = host.config
     rng = np.random.default_rng(6)
@@ -143,26 +148,35 @@ def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp):
         p = [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, int(rng.integers(2, 6)))]
         assert host.generate(p, **kw) == nvfp4_mtp.generate(p, **kw)
     st = host.scheduler.stats
-    assert st.drafts_accepted > 0 and st.expert_misses > 0.15 * st.expert_lookups  # it evicts (measured: 24% miss)
+    assert st.verify_steps > 0 and st.expert_misses > 0.15 * st.expert_lookups  # it evicts (measured: 24% miss)
+    if proposer == "ngram":
+        assert st.drafts_accepted > 0
 
 
 @pytest.mark.xdist_group("bundled")
-def test_bundled_model_greedy_equals_plain(bundled):
-    """On the trained model, whose text repeats, drafts are kept; the tokens are plain decoding's (conftest.py's
-    engine of the same geometry)."""
-    spec = jaxflash.load(None, speculative="ngram", draft_tokens=3, max_batch=3, max_seq_len=192, prefill_chunk=16,
-                         progress=False)
-    text = "The cat sat on the mat. The cat sat on the mat. The dog sat on the"
-    p = Tokenizer(jaxflash.DEFAULT_MODEL).encode(text)
-    want = bundled.generate([p], max_new_tokens=40)
-    assert spec.generate([p], max_new_tokens=40) == want
+@pytest.mark.parametrize("proposer", ["ngram", "mtp"])
+def test_bundled_model_greedy_equals_plain(bundled, proposer):
+    """On the trained model drafts are kept (n-gram: its text repeats; MTP: its head was trained), in a batch of
+    three whose lengths and stop tokens end inside accepted drafts too; the tokens are plain decoding's
+    (conftest.py's engine of the same geometry)."""
+    spec = jaxflash.load(None, speculative=proposer, draft_tokens=3, max_batch=3, max_seq_len=192,
+                         prefill_chunk=16, progress=False)
+    tok = Tokenizer(jaxflash.DEFAULT_MODEL)
+    texts = ["The cat sat on the mat. The cat sat on the mat. The dog sat on the",
+             "In the beginning God created the heaven and the earth.", "And God said, Let there be"]
+    prompts, n = [tok.encode(t) for t in texts], [40, 23, 31]
+    want = bundled.generate(prompts, max_new_tokens=n)
+    assert spec.generate(prompts, max_new_tokens=n) == want
+    assert spec.generate(prompts[:1], max_new_tokens=40) == want[:1]
+    stops = [[w[5]] for w in want]  # a token each continuation reaches (where a step may keep drafts past it)
+    assert spec.generate(prompts, max_new_tokens=n, stop=stops) == bundled.generate(prompts, max_new_tokens=n,
+                                                                                    stop=stops)
     assert spec.scheduler.stats.drafts_accepted > 0
 
 
 def test_bad_arguments_fail_before_loading(tmp_path):
-    for kw, msg in ((dict(speculative="mtp"), "speculative must be"), (dict(speculative="ngram", draft_tokens=0),
-                    "draft_tokens"), (dict(speculative="ngram", draft_tokens=4), "draft_tokens"),
-                    (dict(speculative="ngram", mtp_drafts=True), "mtp_drafts")):
+    for kw, msg in ((dict(speculative="eagle"), "speculative must be"), (dict(speculative="ngram", draft_tokens=0),
+                    "draft_tokens"), (dict(speculative="mtp", draft_tokens=4), "draft_tokens")):
         with pytest.raises(ValueError, match=msg):
             jaxflash.load(tmp_path / "missing", **kw)  # the path is never opened
 
@@ -243,6 +257,45 @@ def _set_drafts(runner, drafts: np.ndarray, n_draft: np.ndarray) -> None:
     runner._state = jax.tree.leaves(dataclasses.replace(st, spec=spec))
 
 
+def _prefilled(sched, prompts):
+    """Greedy requests for `prompts`, admitted and prefilled through the runner's programs (no scheduler step):
+    (the requests, each one's tokens so far: its first sampled token)."""
+    reqs = sched.make_requests(prompts, max_new_tokens=60, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                               stop=None, eos_ids=(), ignore_eos=True)
+    emitted = []
+    for r in reqs:
+        sched._admit(r)
+        for _, piece, buf, last, follow in sched._chunks(r.prompt):
+            out = sched.runner.prefill(r.slot, buf, len(piece), last, sched._all_allowed, follow).result()
+        emitted.append([int(out.tokens)])
+    return reqs, emitted
+
+
+def _verify_chosen(runner, reqs, emitted, ref, step: int, want: Want):
+    """One verify step fed plain decoding's next tokens (ref[b], the tokens after the prompt) as drafts, with a
+    first wrong one placed by step and row ((step + b) % (K + 2); K + 1: no drafts fed) so that successive
+    steps keep every number from 0 to K. The emitted tokens go to `emitted`; returns (the step's output, what
+    each row must keep)."""
+    k, vocab = runner.setup.draft_tokens, runner.setup.cfg.vocab_size
+    drafts = np.zeros((runner.setup.max_batch, k), np.int32)
+    n_draft = np.zeros(runner.setup.max_batch, np.int32)
+    want_kept = []
+    for b, r in enumerate(reqs):
+        n = len(emitted[b])
+        drafts[r.slot] = ref[b][n : n + k]
+        wrong = (step + b) % (k + 2)
+        n_draft[r.slot] = 0 if wrong == k + 1 else k
+        if wrong < k:
+            drafts[r.slot, wrong] = (ref[b][n + wrong] + 1) % vocab
+        want_kept.append(0 if wrong == k + 1 else min(wrong, k))
+    _set_drafts(runner, drafts, n_draft)
+    o = runner.verify(np.full(runner.setup.max_batch, k, np.int32), want).result()
+    for b, r in enumerate(reqs):
+        assert int(o.n_draft[r.slot]) == n_draft[r.slot]
+        emitted[b] += [int(t) for t in o.tokens[r.slot, : int(o.accepted[r.slot]) + 1]]
+    return o, want_kept
+
+
 @REF4
 def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
     """Two sequences in one batch, fed plain decoding's own next tokens as drafts with one wrong token placed so
@@ -254,37 +307,15 @@ def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
     prompts = [prompts_of(plain.config)[0], prompts_of(plain.config)[1]]
     ref = [plain.scheduler.step_logits(p, 40) for p in prompts]  # (tokens, logits, _): logits[i] gives tokens[i]
     sched, runner = spec.scheduler, spec.scheduler.runner
-    reqs = sched.make_requests(prompts, max_new_tokens=60, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                               stop=None, eos_ids=(), ignore_eos=True)
-    emitted = []
-    for r in reqs:
-        sched._admit(r)
-        for _, piece, buf, last, follow in sched._chunks(r.prompt):
-            out = runner.prefill(r.slot, buf, len(piece), last, sched._all_allowed, follow).result()
-        emitted.append([int(out.tokens)])
+    reqs, emitted = _prefilled(sched, prompts)
     try:
         seen = set()
         for step in range(7):
-            drafts = np.zeros((runner.setup.max_batch, k), np.int32)
-            n_draft = np.zeros(runner.setup.max_batch, np.int32)
-            want_kept = []
-            for b, r in enumerate(reqs):
-                toks = ref[b][0]
-                n = len(emitted[b])
-                drafts[r.slot] = toks[n : n + k]
-                wrong = (step + b) % (k + 2)  # where the first wrong draft goes; k + 1: none fed
-                n_draft[r.slot] = 0 if wrong == k + 1 else k
-                if wrong < k:
-                    drafts[r.slot, wrong] = (toks[n + wrong] + 1) % plain.config.vocab_size
-                want_kept.append(0 if wrong == k + 1 else min(wrong, k))
-            _set_drafts(runner, drafts, n_draft)
             # with logprobs: the verify program of the greedy batch (whose outputs hold these fields too)
-            o = runner.verify(np.full(runner.setup.max_batch, k, np.int32), VERIFY_RICH).result()
-            for b, r in enumerate(reqs):
-                kept = int(o.accepted[r.slot])
-                assert kept == want_kept[b] and int(o.n_draft[r.slot]) == n_draft[r.slot]
-                seen.add(kept)
-                emitted[b] += [int(t) for t in o.tokens[r.slot, : kept + 1]]
+            o, want_kept = _verify_chosen(runner, reqs, emitted, [t for t, _, _ in ref], step, VERIFY_RICH)
+            kept = [int(o.accepted[r.slot]) for r in reqs]
+            assert kept == want_kept
+            seen.update(kept)
         o = runner.decode(Want(logits=True)).result()
     finally:
         slots = [r.slot for r in reqs]
@@ -296,3 +327,81 @@ def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
         n = len(emitted[b])
         assert emitted[b] == toks[:n]
         assert rel_err(o.logits[slot], logits[n]) < 1e-5
+
+
+def _chained_head(engine, seq: list[int], k: int, width: int = 128):
+    """The MTP drafts after seq (its last token not yet fed), recomputed from position 0 with the whole-sequence
+    forward: draft 1 is the head's guess from the pair (main state at len-2, token at len-1); each next one
+    runs the head over the pairs so far plus (its own previous output state, its previous draft). Sequences are
+    padded to `width` positions, which the causal forward never reads, so each function compiles once.
+    Returns (drafts [k], the logits [k, V] each was chosen from)."""
+    t = len(seq)
+    h = engine.hidden(seq + [0] * (width - t))  # [width, W]: rows 0 .. t-2 are the pairs' states
+    hidden, nxt = np.zeros_like(h), np.zeros(width, np.int32)
+    hidden[: t - 1], nxt[: t - 1] = h[: t - 1], seq[1:]
+    drafts, rows = [], []
+    for i in range(k):
+        logits, hm = engine._mtp(engine.params, jnp.asarray(hidden)[None], jnp.asarray(nxt)[None])
+        row = np.asarray(logits[0, t - 2 + i], np.float32)
+        drafts.append(int(row.argmax()))
+        rows.append(row)
+        hidden[t - 1 + i], nxt[t - 1 + i] = np.asarray(hm[0, t - 2 + i]), drafts[-1]
+    return drafts, np.stack(rows)
+
+
+def _assert_drafts_equal(got: list[int], got_logits, want: list[int], want_logits: np.ndarray) -> None:
+    """Each draft's logits within 1e-4 of the largest logit (both float32; measured ~1e-6), and the drafts
+    equal, up to the first near tie of the reference (top two logits within 1e-4 of the largest), from which
+    on the chains may part."""
+    for i, row in enumerate(want_logits):
+        if got_logits is not None:
+            assert rel_err(got_logits[i], row) < TOL
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] < TOL * np.abs(row).max():
+            return
+        assert got[i] == want[i]
+
+
+@NVFP4
+def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_plain):
+    """MTP drafts, K = 3: two sequences in one batch, fed plain decoding's own next tokens as drafts with one
+    wrong token placed so that the steps keep every number of drafts (0 to K, and none fed). After the prefill
+    and after every verify step the drafts the state holds for the next step equal the head chained over the
+    sequence recomputed from position 0 (_chained_head), so the head's KV pages hold exactly the kept pairs (the
+    verify steps' draft logits too); the steps emit plain decoding's tokens."""
+    k = 3
+    spec = jaxflash.load(nvfp4_dir, expert_residency="device", speculative="mtp", draft_tokens=k, **SMALL)
+    assert spec.mtp and spec.speculative == "mtp"
+    cfg = spec.config
+    rng = np.random.default_rng(31)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (11, 19)]  # one and two chunks
+    ref = [nvfp4_plain.scheduler.step_logits(p, 40)[0] for p in prompts]
+    sched, runner = spec.scheduler, spec.scheduler.runner
+    reqs, emitted = _prefilled(sched, prompts)
+
+    def check_drafts(draft_logits=None):
+        st = runner.state.spec
+        for b, r in enumerate(reqs):
+            assert int(st.n_draft[r.slot]) == k
+            want, logits = _chained_head(spec, prompts[b] + emitted[b], k)
+            _assert_drafts_equal([int(d) for d in st.drafts[r.slot]],
+                                 None if draft_logits is None else draft_logits[r.slot], want, logits)
+
+    try:
+        check_drafts()
+        seen = set()
+        for step in range(6):
+            o, want_kept = _verify_chosen(runner, reqs, emitted, ref, step, Want(logits=True))
+            kept = [int(o.accepted[r.slot]) for r in reqs]
+            assert kept == want_kept
+            seen.update(kept)
+            check_drafts(o.draft_logits)
+        o = runner.decode().result()  # a plain step chains the head too
+        for b, r in enumerate(reqs):
+            emitted[b].append(int(o.tokens[r.slot]))
+        check_drafts()
+    finally:
+        for r in reqs:
+            sched._free(r)
+    assert seen == set(range(k + 1))
+    assert all(e == t[: len(e)] for e, t in zip(emitted, ref))

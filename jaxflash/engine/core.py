@@ -76,10 +76,12 @@ class Engine:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
         self.hc_kernel = hc_kernel
-        if mtp_drafts and params.mtp is None:
-            raise ValueError("mtp_drafts=True: no MTP head is loaded (the checkpoint has none, or mtp=False)")
-        self.mtp = mtp_drafts
-        self.draft_tokens = _draft_tokens(speculative, draft_tokens, mtp_drafts, routing)
+        self.draft_tokens = _draft_tokens(speculative, draft_tokens, routing)
+        self.speculative = speculative if self.draft_tokens else None
+        for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
+            if asked and params.mtp is None:
+                raise ValueError(f"{what}: no MTP head is loaded (the checkpoint has none, or mtp=False)")
+        self.mtp = mtp_drafts or self.speculative == "mtp"  # MTP drafts run the head in every step
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
@@ -193,7 +195,8 @@ class Engine:
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
-                                self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens)
+                                self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens,
+                                self.speculative)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -308,8 +311,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False leaves it on disk and its
     VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in every decode step,
     keeping its KV cache current and drafting the token after next (`engine.scheduler.stats.mtp_acceptance`
-    then reports how often the draft was right). Off by default: nothing uses the drafts until speculative
-    decoding, and the head costs a decoder layer and a second lm_head read per step.
+    then reports how often the draft was right). Off by default: only speculative="mtp" uses the drafts, and
+    the head costs a decoder layer and a second lm_head read per step.
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas expert kernels (default: on a GPU;
@@ -318,12 +321,13 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     it takes up to 32 rows a step; on the CPU its C++ handler runs), "pallas" names the default.
     gdn_kernel: decode steps run the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode;
     default: on a GPU where it applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps
-    XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each (jaxflash.kernels.hc_mix; default off: on
-    the H200 it ties XLA's mix at batch 1 and loses at larger batches).
-    speculative: "ngram" decodes speculatively with up to draft_tokens (1 to 3) drafts per sequence and step,
-    proposed from the sequence's own earlier tokens (jaxflash.engine.speculative) and checked in one verify
-    step; the output is what plain decoding gives (token for token when greedy, in distribution when sampled).
-    None (the default) decodes one token per step.
+    XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each
+    (jaxflash.kernels.hc_mix; default off: on the H200 it ties XLA's mix at batch 1 and loses at larger batches).
+    speculative: decode speculatively with up to draft_tokens (1 to 3) drafts per sequence and step, checked in
+    one verify step; the output is what plain decoding gives (token for token when greedy, in distribution when
+    sampled). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
+    draft_tokens times (it then runs in every step; jaxflash.engine.speculative). None (the default) decodes
+    one token per step.
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -332,7 +336,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float64', got {dtype!r}")
     if dtype == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError("dtype='float64' needs jax.config.update('jax_enable_x64', True) first")
-    k_drafts = _draft_tokens(speculative, draft_tokens, mtp_drafts, routing)  # bad values fail before loading
+    k_drafts = _draft_tokens(speculative, draft_tokens, routing)  # bad values fail before loading
     if ple_table not in ("auto", "device", "host"):
         raise ValueError(f"ple_table must be 'auto', 'device' or 'host', got {ple_table!r}")
     nvfp4_experts.expert_kernel_choice(expert_kernel)
@@ -353,9 +357,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     cpu = dev.platform == "cpu"
     layout = expert_layout(ckpt, cfg)
     with_mtp = mtp is not False and ckpt.has("mtp.fc_hidden.weight")
-    if mtp_drafts and not with_mtp:
-        raise ValueError("mtp_drafts=True needs the MTP head: " + ("mtp=False leaves it out" if mtp is False
-                                                                   else "the checkpoint has none"))
+    for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
+        if asked and not with_mtp:
+            raise ValueError(f"{what} needs the MTP head: " + ("mtp=False leaves it out" if mtp is False
+                                                               else "the checkpoint has none"))
     table_bytes = 0 if on_device is None else on_device[0].nbytes + (4 if on_device[1] is not None else 0)
     mb = model_bytes(ckpt, cfg, dtype, layout, table_bytes, mtp=with_mtp)
     free, note = planner_mod.device_free_bytes(dev)
@@ -384,10 +389,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
                   hc_kernel=hc_kernel, speculative=speculative, draft_tokens=draft_tokens)
 
 
-SPECULATIVE = (None, "ngram")  # the proposers; MTP drafts are not built yet
+SPECULATIVE = (None, "ngram", "mtp")  # the proposers (jaxflash.engine.speculative)
 
 
-def _draft_tokens(speculative, draft_tokens, mtp_drafts: bool, routing) -> int:
+def _draft_tokens(speculative, draft_tokens, routing) -> int:
     """The runner's drafts per verify step (0: no speculation), or ValueError for a bad combination."""
     if speculative not in SPECULATIVE:
         raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
@@ -395,9 +400,6 @@ def _draft_tokens(speculative, draft_tokens, mtp_drafts: bool, routing) -> int:
         return 0
     if isinstance(draft_tokens, bool) or int(draft_tokens) != draft_tokens or not 1 <= draft_tokens <= 3:
         raise ValueError(f"draft_tokens must be an integer from 1 to 3, got {draft_tokens!r}")
-    if mtp_drafts:
-        raise ValueError("speculative decoding and mtp_drafts=True do not go together (the verify step does not "
-                         "run the MTP head)")
     if routing is not None:
         raise ValueError("speculative decoding takes the routers' own routing (no RoutingSource)")
     return int(draft_tokens)

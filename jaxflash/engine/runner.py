@@ -96,6 +96,11 @@ class Setup:
     hc_kernel: bool = False  # decode's hyper-connection mixes by jaxflash.kernels.hc_mix (off by default: no faster
     # than XLA's on the H200; elsewhere it runs in interpret mode, for tests)
     draft_tokens: int = 0  # speculative decoding: K drafts per sequence in a verify step (0: off)
+    speculative: str | None = None  # their proposer: "ngram" or "mtp" (the MTP head chained; needs mtp)
+
+    def __post_init__(self):
+        if self.speculative == "mtp" and not self.mtp:
+            raise ValueError("MTP drafts need the MTP head run in every step (Setup.mtp)")
 
     @property
     def max_seq_len(self) -> int:
@@ -135,7 +140,7 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
     spec = None
     if setup.draft_tokens:
         width = spec_mod.history_width(setup.max_seq_len, setup.chunk, setup.draft_tokens)
-        spec = SpecState.empty(b, width, setup.draft_tokens)
+        spec = SpecState.empty(b, width if setup.speculative == "ngram" else 0, setup.draft_tokens)
     return DecodeState(seqs, layers, experts, staging, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
                        jnp.zeros(b, jnp.int32), spec)
 
@@ -169,7 +174,7 @@ class StepOutput:
     drafts: Array | None  # like tokens: the MTP head's greedy guess of the token after each sampled one
     logprobs: LogProbs | None  # Want.logprobs: of the sampled tokens
     logits: Array | None  # Want.logits: [B, V] / [V] float32
-    draft_logits: Array | None  # Want.logits with an MTP head: [B, V] / [V]
+    draft_logits: Array | None  # Want.logits with an MTP head: [B, V] / [V]; verify, MTP drafts: [B, K, V]
     prompt_logprobs: LogProbs | None  # Want.score: [C] for the given next tokens of a prefill chunk
     ple_status: Array | None  # int32[2]: the PLE host step's status words (PLE models)
     cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
@@ -258,9 +263,13 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, and a guess of token t+2
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens[:, None], batch, st.mtp)
         draft_logits = mtp_mod.mtp_logits(params, cfg, hm[:, 0])
-        drafts = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+        drafts = spec_mod.greedy(draft_logits)
     spec = st.spec
-    if spec is not None:  # the new token into each row's history, and the next verify step's drafts
+    if setup.speculative == "mtp":  # the next verify step's drafts: that guess, then the head chained
+        spec, mtp, _ = spec_mod.mtp_chain(params, cfg, hm[:, 0], drafts, lengths,
+                                          _capacity(setup, batch.page_table), batch.page_table, mtp,
+                                          setup.draft_tokens, st.active)
+    elif spec is not None:  # the new token into each row's history, and the next verify step's drafts
         spec = spec_mod.advance(spec, lengths, tokens[:, None], lengths, _capacity(setup, st.seqs.page_table),
                                 st.active)
     st = dataclasses.replace(
@@ -282,9 +291,9 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     drafts (SpecState), K+1 rows per slot in one pass over the weights; sampling.verify keeps the longest
     accepted prefix plus one token, and the state moves exactly that far: the GDN and PLE states are committed
     after the accepted tokens alone (transformer.commit_layers), the lengths, PLE context and history advance
-    by accepted + 1, and the next drafts are proposed. KV rows written for rejected drafts lie past the
-    sequence's length, where nothing reads them before they are overwritten. Slots not decoding change
-    nothing. span: as in decode_step."""
+    by accepted + 1, and the next drafts are proposed. KV rows written for rejected drafts (the MTP head's too)
+    lie past the sequence's length, where nothing reads them before they are overwritten. Slots not decoding
+    change nothing. span: as in decode_step."""
     cfg, k = setup.cfg, setup.draft_tokens
     sp = st.spec
     n_draft = jnp.where(st.active, jnp.clip(jnp.minimum(sp.n_draft, caps), 0, k), 0)
@@ -302,20 +311,32 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     keep = jnp.where(st.active, accepted + 1, 0)
     layers = commit_layers(cfg, pending, keep)
     lengths = st.seqs.lengths + keep
+    mtp, spec = st.mtp, sp
+    if setup.mtp:  # the head on every fed row's pair (state at t, the token sampled after it: the next draft
+        # where that was kept); its guess from the last kept pair is the next first draft
+        hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens, batch, st.mtp)
+        hm = jnp.take_along_axis(hm, accepted[:, None, None], axis=1)[:, 0]
+        first_logits = mtp_mod.mtp_logits(params, cfg, hm)
+    draft_logits = None
+    if setup.speculative == "mtp":  # the next drafts (with Want.logits, their logits [B, K, V] too)
+        spec, mtp, draft_logits = spec_mod.mtp_chain(
+            params, cfg, hm, spec_mod.greedy(first_logits), lengths, _capacity(setup, batch.page_table),
+            batch.page_table, mtp, k, st.active, first_logits if want.logits else None)
     context = ctx0
     if ctx0 is not None:  # the last tokens fed and kept (the PLE step's own context counts every fed token)
         context = jax.vmap(lambda c, f, n: lax.dynamic_slice_in_dim(jnp.concatenate([c, f]), n, c.shape[0]))(
             ctx0, fed, keep)
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    spec = spec_mod.advance(sp, st.seqs.lengths + 1, tokens, lengths, _capacity(setup, st.seqs.page_table),
-                            st.active)
+    if setup.speculative == "ngram":
+        spec = spec_mod.advance(sp, st.seqs.lengths + 1, tokens, lengths, _capacity(setup, st.seqs.page_table),
+                                st.active)
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
-        experts=experts if setup.host is not None else None, last_token=jnp.where(st.active, last, st.last_token),
-        spec=spec)
+        experts=experts if setup.host is not None else None, mtp=mtp,
+        last_token=jnp.where(st.active, last, st.last_token), spec=spec)
     cache_status, misses, lookups = _cache_counts(st.experts)
     out = StepOutput(tokens=tokens, drafts=None, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
-                     logits=logits if want.logits else None, draft_logits=None, prompt_logprobs=None,
+                     logits=logits if want.logits else None, draft_logits=draft_logits, prompt_logprobs=None,
                      ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups,
                      accepted=accepted, n_draft=n_draft, proposed=spec.n_draft)
     return st, out
@@ -393,13 +414,18 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
         nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[n - 1].set(jnp.where(last, token, follow))
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, nxt[None], batch, st.mtp)
         draft_logits = mtp_mod.mtp_logits(params, cfg, hm[0, n - 1])
-        drafts = jnp.argmax(draft_logits).astype(jnp.int32)
+        drafts = spec_mod.greedy(draft_logits)
     prompt_lp = None
     if want.score:
         prompt_lp = logprobs_of(final_logits(params, cfg, h[0]), targets)
     seqs = _set_row(st.seqs, slot, SeqState(seq.lengths + n, seq.page_table, context))
     spec = st.spec
-    if spec is not None:  # the chunk's tokens (and the first sampled one) into the history; after the last
+    if setup.speculative == "mtp":  # after the last chunk, the first verify step's drafts (mtp_chain)
+        row, mtp, _ = spec_mod.mtp_chain(params, cfg, hm[:, n - 1], drafts[None], seq.lengths + n,
+                                         _capacity(setup, seq.page_table), seq.page_table, mtp, setup.draft_tokens,
+                                         last[None])
+        spec = _set_row(spec, slot, row)
+    elif spec is not None:  # the chunk's tokens (and the first sampled one) into the history; after the last
         # chunk, the first verify step's drafts
         row = _row(spec, slot)
         hist = spec_mod.write(row.history[0], seq.lengths[0], tokens)

@@ -156,6 +156,8 @@ class Scheduler:
         self.spans = context_spans(self.max_seq_len, plan.page_size)
         self.chunk = plan.prefill_chunk
         self.k = runner.setup.draft_tokens  # speculative decoding: drafts per verify step (0: off)
+        # MTP drafts: the head's chained drafts write K - 1 positions past the sequence's new last token
+        self.chain = self.k - 1 if runner.setup.speculative == "mtp" else 0
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
         self.stats = Stats()
@@ -334,7 +336,7 @@ class Scheduler:
             for r in self.running:  # no proposal in the latest step read: likely none now (one step stale)
                 caps[r.slot] = r.spec.cap if r.proposed else 0
         fed = self.k + 1 if caps.any() else 1  # positions this step may feed per sequence
-        need = min(max(len(r.prompt) + r.decoded + fed for r in self.running), self.max_seq_len)
+        need = min(max(len(r.prompt) + r.decoded + fed + self.chain for r in self.running), self.max_seq_len)
         span = next(s for s in self.spans if s >= need)
         try:
             if fed > 1:

@@ -1,13 +1,19 @@
-"""Speculative decoding's drafts: n-gram (prompt lookup) proposals from each sequence's own tokens, on the device.
+"""Speculative decoding's drafts, proposed on the device: n-gram (prompt lookup) proposals from each sequence's
+own tokens, or the model's MTP head chained K times.
 
 A verify step (runner.verify_step) feeds every speculating sequence its last token and up to K drafts, and keeps
-the longest prefix that sampling accepts (sampling.verify_row) plus one more token. Its drafts come from here:
-the sequence's tokens so far sit in a device array by position (SpecState.history), and the proposal is what
-followed the latest earlier occurrence of the sequence's last n tokens (n from NGRAM_MAX down to NGRAM_MIN).
+the longest prefix that sampling accepts (sampling.verify_row) plus one more token. Its drafts come from here,
+proposed at the end of the program that produced the last token (prefill's last chunk, a decode or a verify
+step), so the next step's drafts are already on the device and steps stay overlapped.
+
+n-gram: the sequence's tokens so far sit in a device array by position (SpecState.history), and the proposal is
+what followed the latest earlier occurrence of the sequence's last n tokens (n from NGRAM_MAX down to NGRAM_MIN).
 Repetitive text (code edits, quoting, structured output, a summary of the prompt) finds long matches; new prose
-finds none and gets zero drafts, which makes its row a plain decode row. The proposal runs at the end of the
-program that produced the last token (prefill's last chunk, a decode or a verify step), so the next step's
-drafts are already on the device and steps stay overlapped.
+finds none and gets zero drafts, which makes its row a plain decode row.
+
+MTP (mtp_chain): the step runs the head on every kept pair (the main model's state at t, the token at t+1), so its
+KV pages end where the sequence ends; its guess from the last kept pair is the first draft, and each further
+draft runs the head once more on (its previous output state, its previous draft), one position on.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..model.base import Array, pytree_dataclass
+from ..config import ModelConfig
+from ..model import mtp as mtp_mod
+from ..model.base import Array, TokenBatch, pytree_dataclass
+from ..model.transformer import LayerState, Params
 
 NGRAM_MAX = 3  # the longest suffix looked up
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a verify row)
@@ -27,6 +36,7 @@ class SpecState:
     """Per-slot drafting state (leading axis = batch slot)."""
 
     history: Array  # [B, W] int32: the sequence's tokens by position, its last (not yet fed) token included
+    # (n-gram drafts; W = 0 for MTP drafts)
     drafts: Array  # [B, K] int32: the next verify step's drafts
     n_draft: Array  # [B] int32: how many of them are real
 
@@ -82,3 +92,32 @@ def advance(spec: SpecState, start: Array, tokens: Array, last: Array, capacity:
     hist = jax.vmap(write)(spec.history, start, tokens)
     hist = jnp.where(live[:, None], hist, spec.history)
     return propose_rows(SpecState(hist, spec.drafts, spec.n_draft), last, capacity, live)
+
+
+def greedy(logits: Array) -> Array:
+    """The MTP head's draft: its most likely token (drafts are single proposals; sampling.verify_row)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def mtp_chain(params: Params, cfg: ModelConfig, hm: Array, first: Array, last: Array, limit: Array,
+              page_table: Array, state: LayerState, k: int, live: Array,
+              first_logits: Array | None = None) -> tuple[SpecState, LayerState, Array | None]:
+    """MTP drafts for every row: `first` [B] is the head's guess from its output state hm [B, W] at the row's last
+    kept pair, i.e. the token after the last token, which sits at position last [B]; drafts 2..k each run the
+    head on (its previous output state, its previous draft) at positions last .. last + k - 2 of its own KV
+    pages. The next step rewrites those positions from the true pairs before anything reads them (each of its
+    rows attends up to its own position, written in that step). limit [B]: the positions the row may write in
+    these page_table [B, P] columns (its pages within the step's context bucket); the next verify step writes
+    positions last .. last + n, so n <= limit - last - 1. Rows not live get no drafts. Returns (SpecState with
+    drafts [B, k] and n_draft, without history, the MTP layer's state, and given the logits [B, V] that `first`
+    was chosen from, the logits of every draft [B, k, V], for inspection)."""
+    n = jnp.where(live, jnp.clip(limit - last - 1, 0, k), 0).astype(jnp.int32)
+    drafts, logits = [first], [first_logits]
+    for i in range(1, k):  # draft i + 1 from the pair (hm, draft i), whose position is draft i's minus one
+        batch = TokenBatch.after(last + i - 1, (n > i).astype(jnp.int32), 1, page_table)
+        h, state, _ = mtp_mod.mtp_layer(params, cfg, hm[:, None], drafts[-1][:, None], batch, state)
+        hm = h[:, 0]
+        logits.append(mtp_mod.mtp_logits(params, cfg, hm))
+        drafts.append(greedy(logits[-1]))
+    spec = SpecState(jnp.zeros((hm.shape[0], 0), jnp.int32), jnp.stack(drafts, axis=1), n)
+    return spec, state, None if first_logits is None else jnp.stack(logits, axis=1)
