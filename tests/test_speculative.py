@@ -24,7 +24,7 @@ import jaxflash
 from jaxflash.engine import speculative
 from jaxflash.engine.runner import Want
 from jaxflash.engine.sampling import sample_row, verify_row
-from jaxflash.engine.scheduler import VERIFY_RICH, Stats
+from jaxflash.engine.scheduler import VERIFY_RICH, Spec, Stats
 from jaxflash.tokenizer import Tokenizer
 
 from numerics import rel_err
@@ -405,3 +405,23 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
             sched._free(r)
     assert seen == set(range(k + 1))
     assert all(e == t[: len(e)] for e, t in zip(emitted, ref))
+
+
+def _caps(spec: Spec, kept_of, steps: int) -> list[int]:
+    """The caps of `steps` steps, each feeding the cap's drafts and keeping kept_of(cap) of them."""
+    caps = []
+    for _ in range(steps):
+        caps.append(spec.cap)
+        spec.step(caps[-1], kept_of(caps[-1]))
+    return caps
+
+
+def test_draft_cap_follows_each_positions_acceptance():
+    """scheduler.Spec, K = 3: drafts always kept keep the cap at 3; a first draft always kept and the later ones
+    never (as the MTP head chained can do) bring it to 1 after 8 steps, with 3 tried again every 7 or 8 steps; a
+    first draft never kept gives 8 steps at 3, then a cap of 0 for 4 steps, 3 again, then 0 for 8 steps."""
+    assert _caps(Spec(3), lambda c: c, 40) == [3] * 40
+    caps = _caps(Spec(3), lambda c: min(c, 1), 60)
+    assert caps[:9] == [3] * 8 + [1] and set(caps[8:]) == {1, 3} and 6 <= caps[8:].count(3) <= 8
+    assert _caps(Spec(3), lambda c: 0, 40) == [3] * 8 + [0] * 4 + [3] * 8 + [0] * 8 + [3] * 8 + [0] * 4
+    assert _caps(Spec(3), lambda c: min(c, 2), 30).count(2) >= 18  # the third position alone dropped

@@ -16,8 +16,9 @@ mask can be made, so while one runs, steps are not overlapped.
 Speculative decoding (a runner with draft_tokens K > 0): steps are verify steps, which feed each sequence its
 last token and up to K drafts proposed on the device (engine/speculative.py) and emit 1 to K+1 tokens per
 sequence. The stop rules apply token by token, so a stop token or max_new_tokens inside the accepted drafts
-ends the request there. Each request's draft cap adapts to its acceptance (`Spec`): where drafts keep being
-rejected it drops to 0, and a step in which every request is at 0 runs the plain decode program.
+ends the request there. Each request's draft cap adapts to how often each draft position is kept (`Spec`):
+where later drafts are rarely kept it feeds fewer, where even the first is rarely kept it drops to 0, and a
+step in which every request is at 0 runs the plain decode program.
 """
 
 from __future__ import annotations
@@ -72,32 +73,51 @@ class Request:
 
 @dataclass
 class Spec:
-    """A request's draft cap under speculative decoding. `rate` is a running mean of the fraction of fed drafts
-    kept; below LOW the cap is 0 for `wait` steps (doubling each time, up to WAIT_MAX), then K again to probe."""
+    """A request's draft cap under speculative decoding, from how often each draft position is kept: rates[i] is a
+    running mean, over the steps that fed draft i + 1 with the i before it kept, of whether it was kept (a draft
+    after a rejected one says nothing). The cap is the number of leading positions kept at least LOW of the time,
+    so a proposer whose first draft is good and whose later ones are not (the MTP head chained) feeds the first
+    alone. Positions past what a step fed drift back up by RECOVER, so that they are tried again now and then.
+    When the first position falls below LOW the cap is 0 for `wait` steps (doubling each time, up to WAIT_MAX),
+    then the first position starts again at 1."""
 
     k: int
-    rate: float = 1.0
+    rates: list[float] = field(default_factory=list)
     wait: int = 0
     backoff: int = 4
     LOW = 0.3  # a draft kept less often than this costs more verify rows than it saves (not yet measured)
-    ALPHA = 0.3
+    ALPHA = 0.15
+    RECOVER = 0.01  # from just below LOW, 7 or 8 steps until the position is tried again
     WAIT_MAX = 64
+
+    def __post_init__(self):
+        self.rates = self.rates or [1.0] * self.k
 
     @property
     def cap(self) -> int:
-        return 0 if self.wait > 0 else self.k
+        if self.wait > 0:
+            return 0
+        n = 0
+        while n < self.k and self.rates[n] >= self.LOW:
+            n += 1
+        return n
 
     def step(self, fed: int, kept: int) -> None:
-        """After a step that fed `fed` drafts and kept `kept` of them."""
+        """After a step that fed `fed` drafts and kept the first `kept` of them."""
         if self.wait > 0:
             self.wait -= 1
             return
-        if fed:
-            self.rate += self.ALPHA * (kept / fed - self.rate)
-            if self.rate < self.LOW:
-                self.wait, self.backoff, self.rate = self.backoff, min(2 * self.backoff, self.WAIT_MAX), 1.0
-            elif kept == fed:
-                self.backoff = 4
+        if not fed:
+            return
+        for i in range(min(fed, kept + 1)):  # drafts 1 .. kept were kept, draft kept + 1 (if fed) was not
+            self.rates[i] += self.ALPHA * (float(i < kept) - self.rates[i])
+        for i in range(fed, self.k):
+            self.rates[i] += self.RECOVER * (1.0 - self.rates[i])
+        if self.rates[0] < self.LOW:
+            self.wait, self.backoff = self.backoff, min(2 * self.backoff, self.WAIT_MAX)
+            self.rates[0] = 1.0
+        elif kept == fed:
+            self.backoff = 4
 
 
 class Event(NamedTuple):
