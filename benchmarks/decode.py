@@ -66,7 +66,8 @@ def fill_pool(pool, src, cfg, distinct: int) -> None:
 
 class StreamRouting:
     """A RoutingSource (jaxflash.engine.runner) that gives each batch slot its own stream of a routing model's
-    trace: a prefill chunk takes the slot's next n rows, a decode step the next row of every slot."""
+    trace: a prefill chunk takes the slot's next n rows, a decode step the next row of every slot, a verify step the
+    next K+1 rows of every slot."""
 
     def __init__(self, ids):  # int32 [streams, tokens, layers, k]
         import numpy as np
@@ -90,6 +91,13 @@ class StreamRouting:
         import numpy as np
 
         return np.stack([self._take(s, 1)[:, 0] for s in range(batch)], axis=1)
+
+    def verify_ids(self, batch: int, width: int):
+        """Each slot's next `width` rows (its stream moves on by all of them, as if every draft were kept: the
+        rows of one verify step are consecutive tokens of the stream either way)."""
+        import numpy as np
+
+        return np.concatenate([self._take(s, width) for s in range(batch)], axis=1)
 
 
 @dataclasses.dataclass

@@ -19,10 +19,15 @@ speedup over plain decoding
   * with every draft kept (tau = K + 1) and at tau = 2.4;
   * on the bundled model's held-out text: its verify and plain steps as benchmarks/speculative.py counted them
     (--text-counts, that script's JSON), timed at this device's step times.
-The routing is the random routers' own (near uniform over the experts): drafts of real text route alike more
-often than random tokens do, so the misses per verify step here are an upper bound.
+Routing (--routing): `model`, the random routers' own (near uniform over the experts; random drafts then route
+independently of each other, an upper bound on the misses), or `calibrated`, expert ids drawn from
+benchmarks/routing.py's model of the real model's routing on real text (decode.py's StreamRouting): a verify
+step's K+1 rows are the next K+1 tokens of the sequence's routing stream, as the rows of kept drafts are; every
+configuration reads the same stream from its start.
 
     python benchmarks/verify_step.py --modes host,device --spec ngram,mtp --draft-tokens 1,2,3 --out DIR  # GPU
+    python benchmarks/verify_step.py --modes host --routing calibrated --spec mtp --draft-tokens 1,3 --warm 64 \
+        --out DIR                                   # the cache past its cold start, under real-text routing
     python benchmarks/verify_step.py --preset tiny --modes host,device --steps 4 --trace-steps 2  # CPU smoke run
 """
 
@@ -43,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from decode import build_model, device_resident, log  # noqa: E402
+from decode import StreamRouting, build_model, device_resident, log  # noqa: E402
 
 TARGET_TAU = 2.4  # tokens per verify step at which issue 15's host-residency target is stated
 
@@ -172,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
     ap.add_argument("--modes", default="host,device", help="comma-separated: host (budgeted), device")
     ap.add_argument("--spec", default="ngram", help="comma-separated proposers: ngram, mtp")
+    ap.add_argument("--routing", default="model", choices=["model", "calibrated"])
     ap.add_argument("--draft-tokens", default="1,2,3", help="comma-separated K (1 to 3)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
@@ -229,7 +235,19 @@ def main(argv=None) -> int:
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch,
            "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
-           "budget": args.budget, "routing": "the random routers' (near uniform)", "runs": []}
+           "budget": args.budget, "routing": {"model": "the random routers' (near uniform)",
+                                              "calibrated": "benchmarks/routing.py's RoutingModel, seed "
+                                                            f"{args.seed}"}[args.routing], "runs": []}
+
+    def routing_feed(k):  # the calibrated stream: prompt, then every step's K+1 rows, and a margin
+        if args.routing == "model":
+            return None
+        from routing import RoutingModel
+
+        rm = RoutingModel(num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+                          top_k=cfg.num_experts_per_tok, seed=args.seed)
+        steps = args.warm + args.steps + args.trace_steps + 4
+        return StreamRouting(rm.sample(args.prompt + args.prefill_chunk + steps * (k + 1), streams=args.batch)[0])
 
     free, note = planner.device_free_bytes(dev)  # before the resident experts take their part of it
     dparams = device_resident(model) if "device" in modes else None
@@ -244,7 +262,7 @@ def main(argv=None) -> int:
             if mode == "host":
                 host = HostExperts(model.pool, model.layout, plan.cache_slots, plan.staging_slots)
             eng = Engine(cfg, model.params if mode == "host" else dparams, plan=plan, host_experts=host,
-                         ngram=model.ngram, speculative=proposer, draft_tokens=k or 3)
+                         ngram=model.ngram, speculative=proposer, draft_tokens=k or 3, routing=routing_feed(k))
             engines.append((f"{mode}-b{args.batch}-{proposer or 'plain'}{k or ''}", mode, proposer, k, eng))
 
     def programs(e, k):

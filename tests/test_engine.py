@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import jaxflash
+import jaxflash.presets  # not imported by jaxflash itself
 from jaxflash.engine import PlanError, planner
 from jaxflash.engine.sampling import SamplingParams, SamplingRows, sample
 from jaxflash.engine.scheduler import Stats

@@ -238,6 +238,29 @@ def test_decode_runs_the_smallest_bucket(engine, tok, monkeypatch):
     assert 3 in rows and rows[-1] == 1  # the batch grew to three slots, then back to one
 
 
+def test_bucket_steps_pass_untouched_state_through(engine):
+    """A bucket's step writes back into the whole state only what it changed: a leaf it returns as it got it
+    (sampling rows, page tables, active flags) leaves the program as its input (in the trace: the same
+    variable), since writing its rows back costs a pair of device copies outside the CUDA graph on the GPU."""
+    import dataclasses
+
+    import jax
+
+    st = engine.scheduler.runner.state
+
+    def step(state):  # a stand-in step of bucket 1 that changes the last token alone
+        cut = runner_mod._first_rows(state, 1)
+        return runner_mod._put_first_rows(state, 1, cut, dataclasses.replace(cut, last_token=cut.last_token + 1))
+
+    closed = jax.make_jaxpr(step)(st)
+    ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
+    for i, leaf in enumerate(jax.tree.leaves(st)):
+        assert (outs[i] is ins[i]) != (leaf is st.last_token), i
+    new = jax.jit(step)(st)
+    assert int(new.last_token[0]) == int(st.last_token[0]) + 1
+    assert (new.last_token[1:] == st.last_token[1:]).all()
+
+
 def test_context_buckets_give_the_whole_context_tokens(engine, monkeypatch):
     """With a short context bucket of 64 positions in a 192-token engine, decode steps read 64 positions while
     every running sequence is shorter, then the whole context; the tokens equal the one-bucket engine's, for a

@@ -8,7 +8,9 @@ verify steps that keep every number of drafts, the drafts in the state equal the
 sequence recomputed from position 0 (its KV pages ended where the sequence ended); greedy MTP speculation gives
 plain decoding's tokens on the bundled model (whose trained head gets drafts kept) and with host-resident experts.
 Sampled speculation must keep the sampling distribution: a chi-square test over 40,000 seeds of the acceptance rule
-on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test is deterministic).
+on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test is deterministic); and since the
+rule shares plain sampling's randomness, a seeded sampled request emits plain sampling's tokens exactly.
+Draft caps (scheduler.Spec) follow each position's acceptance and the measured step costs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jaxflash
 from jaxflash.engine import speculative
 from jaxflash.engine.runner import Want
 from jaxflash.engine.sampling import sample_row, verify_row
-from jaxflash.engine.scheduler import VERIFY_RICH, Spec, Stats
+from jaxflash.engine.scheduler import VERIFY_RICH, Spec, Stats, StepCosts
 from jaxflash.tokenizer import Tokenizer
 
 from numerics import rel_err
@@ -34,6 +36,22 @@ TOL = 1e-4  # float32 logits of two programs: relative to the largest logit
 # conftest.py's engines, shared with test_engine.py: the reference model's and the NVFP4 model's (and the bundled
 # model's, shared with test_scheduler.py)
 REF4, NVFP4 = pytest.mark.xdist_group("ref4"), pytest.mark.xdist_group("nvfp4")
+
+
+class FlatCosts(StepCosts):
+    """Every step costs the same, so draft caps follow acceptance alone (Spec.cap): tests that need verify steps
+    get them whatever this machine's step times are (test_draft_cap_weighs... tests the costs' part)."""
+
+    def add(self, rows, fed, seconds):
+        pass
+
+    def of(self, rows, fed):
+        return 1.0
+
+
+def speculating(engine):
+    engine.scheduler.costs = FlatCosts()
+    return engine
 
 
 def repetitive(rng, vocab, eos, n, period):
@@ -47,7 +65,7 @@ def repetitive(rng, vocab, eos, n, period):
 def engines(ref4, ref4_engine):
     """conftest.py's reference checkpoint (4 layers: 3 GDN, 1 attention with QSA, PLE at layer 2: every kind of
     state) plainly, in the engine test_engine.py shares, and speculating with 3 drafts."""
-    return ref4_engine, jaxflash.load(ref4[2], speculative="ngram", draft_tokens=3, **SMALL)
+    return ref4_engine, speculating(jaxflash.load(ref4[2], speculative="ngram", draft_tokens=3, **SMALL))
 
 
 def prompts_of(cfg, seed=1):
@@ -117,18 +135,20 @@ def test_compile_counts_stay_constant(engines):
 
 
 @REF4
-def test_sampled_speculation_is_reproducible(engines):
-    """A sampled batch of three, seeded, twice: the same tokens. With logprobs asked, which change no token, so
-    that the batch runs the programs the greedy batch compiled."""
-    _, spec = engines
+def test_sampled_speculation_equals_plain_sampling(engines):
+    """A sampled batch of three, seeded: the tokens of plain sampled decoding with the same seeds (the acceptance
+    rule shares its randomness), and the same again. With logprobs asked, which change no token, so that the
+    batch runs the programs the greedy batch compiled. This random model's sampled text gives the n-gram
+    proposer little to propose: the bundled model's test below keeps sampled drafts."""
+    plain, spec = engines
     prompts = prompts_of(spec.config, seed=5)
 
-    def tokens():
-        events = _with_logprobs(spec, prompts, 25, temperature=0.9, top_k=20, seed=11)
+    def tokens(engine):
+        events = _with_logprobs(engine, prompts, 25, temperature=0.9, top_k=20, seed=11)
         return [[t for j, t, _ in events if j == i] for i in range(len(prompts))]
 
-    a = tokens()
-    assert a == tokens()
+    a = tokens(spec)
+    assert a == tokens(plain) == tokens(spec)
     assert all(len(x) == 25 and all(0 <= t < spec.config.vocab_size for t in x) for x in a)
 
 
@@ -139,8 +159,8 @@ def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp, proposer):
     the fewest a step of 3 rows may need) equal plain decoding with every expert on the device (an engine that
     also runs its MTP head each step, which changes no token: test_engine.py checks). The random model's MTP
     head guesses badly: its drafts are rarely kept, and its requests fall back to plain steps (Spec)."""
-    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, speculative=proposer, draft_tokens=2,
-                         **{**SMALL, "max_batch": 1})
+    host = speculating(jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, speculative=proposer,
+                                     draft_tokens=2, **{**SMALL, "max_batch": 1}))
     cfg = host.config
     rng = np.random.default_rng(6)
     kw = dict(max_new_tokens=40, ignore_eos=True)
@@ -153,14 +173,57 @@ def test_host_residency_with_constant_eviction(nvfp4_dir, nvfp4_mtp, proposer):
         assert st.drafts_accepted > 0
 
 
+class LayerRouting:
+    """A RoutingSource (runner.RoutingSource) that routes every token of layer l to the same experts, different
+    per layer: plain and verify steps then route alike wherever their rows lie."""
+
+    def __init__(self, cfg):
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        self.ids = ((np.arange(k)[None] * 3 + 5 * np.arange(cfg.num_hidden_layers)[:, None]) % e).astype(np.int32)
+        self.widths = []
+
+    def rows(self, n):
+        return np.repeat(self.ids[:, None], n, axis=1)
+
+    def prefill_ids(self, slot, n, width):
+        return self.rows(width)
+
+    def decode_ids(self, batch):
+        return self.rows(batch)
+
+    def verify_ids(self, batch, width):
+        self.widths.append(width)
+        return self.rows(batch * width)
+
+
+@NVFP4
+def test_fixed_routing_reaches_verify_steps(nvfp4_dir, nvfp4_plain):
+    """Verify steps take their expert ids from the runner's RoutingSource too (benchmarks time speculation
+    under a routing model that way): greedy speculation with host-resident experts equals plain decoding under
+    the same fixed routing, and differs from the routers' own choice."""
+    cfg = nvfp4_plain.config
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    rng = np.random.default_rng(13)  # its continuation repeats a phrase of its own: n-gram drafts are kept
+    prompts = [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, 3)]
+    plain_src, spec_src = LayerRouting(cfg), LayerRouting(cfg)
+    plain = jaxflash.load(nvfp4_dir, routing=plain_src, **{**SMALL, "max_batch": 1})
+    spec = speculating(jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, routing=spec_src,
+                                     speculative="ngram", draft_tokens=2, **{**SMALL, "max_batch": 1}))
+    want = plain.generate(prompts, **kw)
+    assert spec.generate(prompts, **kw) == want
+    assert spec.scheduler.stats.drafts_accepted > 0 and set(spec_src.widths) == {3}
+    assert nvfp4_plain.generate(prompts, **kw) != want  # the routers' own experts give other tokens
+
+
 @pytest.mark.xdist_group("bundled")
 @pytest.mark.parametrize("proposer", ["ngram", "mtp"])
 def test_bundled_model_greedy_equals_plain(bundled, proposer):
     """On the trained model drafts are kept (n-gram: its text repeats; MTP: its head was trained), in a batch of
     three whose lengths and stop tokens end inside accepted drafts too; the tokens are plain decoding's
-    (conftest.py's engine of the same geometry)."""
-    spec = jaxflash.load(None, speculative=proposer, draft_tokens=3, max_batch=3, max_seq_len=192,
-                         prefill_chunk=16, progress=False)
+    (conftest.py's engine of the same geometry), greedy and sampled with seeds, and greedy again with the draft
+    counts chosen by the step times the scheduler measures (both kinds of step get timed)."""
+    spec = speculating(jaxflash.load(None, speculative=proposer, draft_tokens=3, max_batch=3, max_seq_len=192,
+                                     prefill_chunk=16, progress=False))
     tok = Tokenizer(jaxflash.DEFAULT_MODEL)
     texts = ["The cat sat on the mat. The cat sat on the mat. The dog sat on the",
              "In the beginning God created the heaven and the earth.", "And God said, Let there be"]
@@ -172,6 +235,15 @@ def test_bundled_model_greedy_equals_plain(bundled, proposer):
     assert spec.generate(prompts, max_new_tokens=n, stop=stops) == bundled.generate(prompts, max_new_tokens=n,
                                                                                     stop=stops)
     assert spec.scheduler.stats.drafts_accepted > 0
+    spec.scheduler.stats = Stats()
+    sampled = dict(max_new_tokens=64, temperature=0.3, top_p=0.95, seed=[3, 4, 5])  # kept: 20 (n-gram), 40s (MTP)
+    assert spec.generate(prompts, **sampled) == bundled.generate(prompts, **sampled)
+    assert spec.scheduler.stats.drafts_accepted > 0
+    spec.scheduler.costs = StepCosts()  # the scheduler's own: draft counts by measured step times
+    assert spec.generate(prompts, max_new_tokens=n) == want
+    measured = spec.scheduler.costs.seconds  # of plain and verify steps, by (rows, drafts fed at most)
+    assert any(d == 0 for _, d in measured) and any(d > 0 for _, d in measured)
+    assert all(t > 0 for t in measured.values())
 
 
 def test_bad_arguments_fail_before_loading(tmp_path):
@@ -205,6 +277,23 @@ def test_verify_row_without_drafts_is_plain_sampling():
             logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
             toks, acc = verify_row(logits, jnp.zeros(3, jnp.int32), 0, t, k, p, m, 9, pos)
             assert int(acc) == 0 and int(toks[0]) == int(sample_row(logits[0], t, k, p, m, 9, pos))
+
+
+def test_verify_row_emits_what_plain_sampling_draws():
+    """Whatever the drafts, the emitted tokens are sample_row's draws at their positions, and the drafts kept are
+    the leading ones equal to those draws (within n_draft)."""
+    rng = np.random.default_rng(3)
+    for t, k, p, m in ((1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.05), (0.0, 0, 1.0, 0.0)):
+        for pos in range(12):
+            logits = jnp.asarray(rng.normal(size=(4, 6)) * 2, jnp.float32)  # 6 tokens: drafts are often right
+            plain = [int(sample_row(logits[i], t, k, p, m, 5, pos + i)) for i in range(4)]
+            drafts = np.asarray(plain[:3]) if pos % 3 == 0 else rng.integers(0, 6, 3)
+            n_draft = pos % 4
+            toks, acc = verify_row(logits, jnp.asarray(drafts, jnp.int32), n_draft, t, k, p, m, 5, pos)
+            want = 0
+            while want < n_draft and drafts[want] == plain[want]:
+                want += 1
+            assert int(acc) == want and list(map(int, toks[: want + 1])) == plain[: want + 1]
 
 
 def test_verify_row_greedy_keeps_the_argmax_prefix():
@@ -425,3 +514,36 @@ def test_draft_cap_follows_each_positions_acceptance():
     assert caps[:9] == [3] * 8 + [1] and set(caps[8:]) == {1, 3} and 6 <= caps[8:].count(3) <= 8
     assert _caps(Spec(3), lambda c: 0, 40) == [3] * 8 + [0] * 4 + [3] * 8 + [0] * 8 + [3] * 8 + [0] * 4
     assert _caps(Spec(3), lambda c: min(c, 2), 30).count(2) >= 18  # the third position alone dropped
+
+
+def test_draft_cap_weighs_the_measured_step_costs():
+    """Spec.choose over 3000 simulated steps (seeded): step costs measured on the H200 (benchmarks/RESULTS.md: a
+    plain step, and verify steps feeding 1 to 3 drafts, with every expert on the device and with host experts),
+    drafts kept at the rates given per position. The tokens per second it reaches are within 5% of the best
+    fixed number of drafts, which is 0 (plain decoding) where speculation loses: every draft position is tried
+    now and then, and the rule weighs what it measured. The acceptance-only rule (Spec.cap) loses 15-40% with
+    host experts where the first draft is kept 2 times in 3 or less. Costs not yet measured are tried first, the fewest drafts first."""
+    costs = {"device": [6.66, 9.37, 11.4, 13.38], "host": [19.84, 34.02, 47.0, 59.93]}
+    rates = ([0.66, 0.4, 0.3], [0.66, 0.0, 0.0], [0.9, 0.8, 0.7], [0.3, 0.3, 0.3], [0.0, 0.0, 0.0])
+
+    def tokens_per_ms(times, accept, rule):
+        rng, spec, tokens, ms = np.random.default_rng(0), Spec(3), 0, 0.0
+        for _ in range(3000):
+            n = rule(spec, times)
+            kept = 0
+            while kept < n and rng.random() < accept[kept]:
+                kept += 1
+            spec.step(n, kept)
+            tokens, ms = tokens + kept + 1, ms + times[n]
+        return tokens / ms
+
+    for where, times in costs.items():
+        for accept in rates:
+            best = max((1 + sum(np.prod(accept[:i + 1]) for i in range(n))) / times[n] for n in range(4))
+            got = tokens_per_ms(times, accept, lambda spec, t: spec.choose(lambda n: t[n]))
+            assert got > 0.95 * best, (where, accept)
+            if where == "host" and accept[0] < 0.9:
+                assert tokens_per_ms(times, accept, lambda spec, t: spec.cap) < 0.87 * best
+    unmeasured = [1.0, None, None, None]
+    assert Spec(3).choose(lambda n: unmeasured[n]) == 1
+    assert Spec(3).choose(lambda n: None) == 0

@@ -54,7 +54,7 @@ class Engine:
                  host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
                  gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
-                 draft_tokens: int = 3):
+                 draft_tokens: int = 1):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
@@ -76,7 +76,7 @@ class Engine:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
         self.hc_kernel = hc_kernel
-        self.draft_tokens = _draft_tokens(speculative, draft_tokens, routing)
+        self.draft_tokens = _draft_tokens(speculative, draft_tokens)
         self.speculative = speculative if self.draft_tokens else None
         for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
             if asked and params.mtp is None:
@@ -299,7 +299,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          mtp_drafts: bool = False, device=None, progress: bool | None = None,
          routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
          gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
-         draft_tokens: int = 3) -> Engine:
+         draft_tokens: int = 1) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -324,10 +324,12 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each
     (jaxflash.kernels.hc_mix; default off: on the H200 it ties XLA's mix at batch 1 and loses at larger batches).
     speculative: decode speculatively with up to draft_tokens (1 to 3) drafts per sequence and step, checked in
-    one verify step; the output is what plain decoding gives (token for token when greedy, in distribution when
-    sampled). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
-    draft_tokens times (it then runs in every step; jaxflash.engine.speculative). None (the default) decodes
-    one token per step.
+    one verify step; the output is what plain decoding gives, token for token (greedy, or sampled with the same
+    seed). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
+    draft_tokens times (it then runs in every step; jaxflash.engine.speculative). The drafts fed per step adapt
+    to their acceptance and the measured step times (scheduler.Spec). None (the default) decodes one token per
+    step: with host experts speculation loses on the H200; with every expert on the device, "mtp" with
+    draft_tokens=1 measured best (benchmarks/RESULTS.md).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.
@@ -336,7 +338,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float64', got {dtype!r}")
     if dtype == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError("dtype='float64' needs jax.config.update('jax_enable_x64', True) first")
-    k_drafts = _draft_tokens(speculative, draft_tokens, routing)  # bad values fail before loading
+    k_drafts = _draft_tokens(speculative, draft_tokens)  # bad values fail before loading
     if ple_table not in ("auto", "device", "host"):
         raise ValueError(f"ple_table must be 'auto', 'device' or 'host', got {ple_table!r}")
     nvfp4_experts.expert_kernel_choice(expert_kernel)
@@ -392,7 +394,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
 SPECULATIVE = (None, "ngram", "mtp")  # the proposers (jaxflash.engine.speculative)
 
 
-def _draft_tokens(speculative, draft_tokens, routing) -> int:
+def _draft_tokens(speculative, draft_tokens) -> int:
     """The runner's drafts per verify step (0: no speculation), or ValueError for a bad combination."""
     if speculative not in SPECULATIVE:
         raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
@@ -400,6 +402,4 @@ def _draft_tokens(speculative, draft_tokens, routing) -> int:
         return 0
     if isinstance(draft_tokens, bool) or int(draft_tokens) != draft_tokens or not 1 <= draft_tokens <= 3:
         raise ValueError(f"draft_tokens must be an integer from 1 to 3, got {draft_tokens!r}")
-    if routing is not None:
-        raise ValueError("speculative decoding takes the routers' own routing (no RoutingSource)")
     return int(draft_tokens)

@@ -110,7 +110,8 @@ class Setup:
 class RoutingSource:
     """Expert ids for the runner's programs, chosen outside the model (routing studies; benchmarks that need
     the routing statistics of real text on a model with random weights). The routers still run and weight
-    the given experts (jaxflash.model.moe.given_route). Implement both methods:"""
+    the given experts (jaxflash.model.moe.given_route). Implement decode_ids and prefill_ids, and verify_ids for a
+    runner that speculates:"""
 
     def decode_ids(self, batch: int):
         """int32 [layers, batch, top_k]: the experts of each slot's token in the next decode step."""
@@ -120,6 +121,11 @@ class RoutingSource:
         """int32 [layers, width, top_k]: the experts of a prefill chunk of slot `slot`, whose first n of width
         rows are real tokens (the rest is padding, routed anywhere)."""
         raise NotImplementedError
+
+    def verify_ids(self, batch: int, width: int):
+        """int32 [layers, batch * width, top_k]: the experts of a verify step's rows, slot-major (each slot's
+        last token, then its width - 1 drafts)."""
+        raise NotImplementedError(f"{type(self).__name__} does not route verify steps (no verify_ids)")
 
 
 def init_state(params: Params, setup: Setup) -> DecodeState:
@@ -286,14 +292,14 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
 
 
 def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps: Array,
-                span: int | None = None):
+                expert_ids: Array | None, span: int | None = None):
     """Speculative decoding: every active slot feeds its last token and its first min(n_draft, caps[b])
     drafts (SpecState), K+1 rows per slot in one pass over the weights; sampling.verify keeps the longest
     accepted prefix plus one token, and the state moves exactly that far: the GDN and PLE states are committed
     after the accepted tokens alone (transformer.commit_layers), the lengths, PLE context and history advance
     by accepted + 1, and the next drafts are proposed. KV rows written for rejected drafts (the MTP head's too)
     lie past the sequence's length, where nothing reads them before they are overwritten. Slots not decoding
-    change nothing. span: as in decode_step."""
+    change nothing. expert_ids [L, B*(K+1), k], span: as in decode_step."""
     cfg, k = setup.cfg, setup.draft_tokens
     sp = st.spec
     n_draft = jnp.where(st.active, jnp.clip(jnp.minimum(sp.n_draft, caps), 0, k), 0)
@@ -303,7 +309,7 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     ctx0 = st.seqs.ple_context
     rows, _, ple_status = _ple_rows(setup, fed, ctx0, n_new)
     experts = _step_experts(setup, st)
-    h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, None,
+    h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
                                             setup.gdn_kernel, setup.hc_kernel, pending=True)
     logits = final_logits(params, cfg, h, setup.hc_kernel)  # [B, K+1, V]
     with jax.named_scope("sampling"):
@@ -352,8 +358,8 @@ def _set_row(tree, slot, row):
 
 def _per_slot(fn, *layers: tuple) -> tuple:
     """fn over the per-slot parts (GDN rows, PLE conv rows) of aligned tuples of layer states, one argument per
-    tuple: fn(part) to read rows, fn(old, new) to write them. The shared KV pages come from the last tuple as
-    they are."""
+    tuple: fn(part) to read rows, fn(old, cut, new) to write them. The shared KV pages come from the last tuple
+    as they are."""
     def one(*states: LayerState) -> LayerState:
         last = states[-1]
         mixer = last.mixer if isinstance(last.mixer, PagedKV) else fn(*(s.mixer for s in states))
@@ -377,16 +383,23 @@ def _first_rows(st: DecodeState, rows: int) -> DecodeState:
                                spec=cut(st.spec))
 
 
-def _put_first_rows(st: DecodeState, rows: int, sub: DecodeState) -> DecodeState:
-    put = lambda t, r: jax.tree.map(lambda a, b: a.at[:rows].set(b), t, r)  # noqa: E731
+def _put_first_rows(st: DecodeState, rows: int, cut: DecodeState, sub: DecodeState) -> DecodeState:
+    """The whole state after a bucket's step: sub (the step's result from cut = _first_rows(st, rows)) written
+    into rows [0, rows) of st. A leaf the step returned as it got it (sampling rows, page tables, active flags)
+    keeps st's array: writing its own rows back costs XLA a pair of device copies each (seen in the H200's
+    optimized HLO; copies run outside the CUDA graph)."""
+    def put(t, c, r):
+        return jax.tree.map(lambda a, b, n: a if n is b else a.at[:rows].set(n), t, c, r)
 
-    def put_mixer(old, new):
-        return new if isinstance(old, GDNState) else put(old, new)
+    def put_mixer(old, before, new):
+        return new if isinstance(old, GDNState) else put(old, before, new)
 
-    return dataclasses.replace(sub, seqs=put(st.seqs, sub.seqs),
-                               layers=_per_slot(put_mixer, st.layers, sub.layers),
-                               sampling=put(st.sampling, sub.sampling), active=put(st.active, sub.active),
-                               last_token=put(st.last_token, sub.last_token), spec=put(st.spec, sub.spec))
+    return dataclasses.replace(sub, seqs=put(st.seqs, cut.seqs, sub.seqs),
+                               layers=_per_slot(put_mixer, st.layers, cut.layers, sub.layers),
+                               sampling=put(st.sampling, cut.sampling, sub.sampling),
+                               active=put(st.active, cut.active, sub.active),
+                               last_token=put(st.last_token, cut.last_token, sub.last_token),
+                               spec=put(st.spec, cut.spec, sub.spec))
 
 
 def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slot: Array, tokens: Array,
@@ -620,8 +633,9 @@ class Runner:
                 st, out = prefill_chunk(params, setup, want, st, *args)
             else:  # a decode or verify bucket: slots [0, rows) only, positions [0, span)
                 step = decode_step if name == "decode" else verify_step
-                sub, out = step(params, setup, want, _first_rows(st, rows), *args, span=span)
-                st = _put_first_rows(st, rows, sub)
+                cut = _first_rows(st, rows)
+                sub, out = step(params, setup, want, cut, *args, span=span)
+                st = _put_first_rows(st, rows, cut, sub)
             leaves, treedef = jax.tree.flatten(st)
             if treedef != s_def:
                 raise AssertionError(f"{name} changed the state's structure")
@@ -651,7 +665,7 @@ class Runner:
             return (scalar, chunk, scalar, jax.ShapeDtypeStruct((), bool), jax.ShapeDtypeStruct((words,), i32),
                     scalar, chunk if want.score else None, ids(s.chunk))
         if name == "verify":
-            return (jax.ShapeDtypeStruct((rows,), i32),)
+            return jax.ShapeDtypeStruct((rows,), i32), ids(rows * (s.draft_tokens + 1))
         return (jax.ShapeDtypeStruct((rows, words), i32) if want.masks else None, ids(rows))
 
     def _call(self, name: str, want: Want | None, *args, rows: int | None = None, span: int | None = None):
@@ -697,11 +711,12 @@ class Runner:
         """Dispatch a verify step for slots [0, rows) with at most caps[b] drafts each (caps [rows]); see
         verify_step. Its outputs have `rows` rows."""
         rows = rows or self.setup.max_batch
-        if self.setup.routing is not None:
-            raise ValueError("verify: a runner with fixed routing (a RoutingSource) does not speculate")
         if want.masks:
             raise ValueError("verify: grammar masks need each token before the next; use decode")
-        out = self._call("verify", want, jnp.asarray(caps, jnp.int32), rows=rows, span=span)
+        routing = self.setup.routing
+        ids = None if routing is None else jnp.asarray(routing.verify_ids(rows, self.setup.draft_tokens + 1),
+                                                       jnp.int32)
+        out = self._call("verify", want, jnp.asarray(caps, jnp.int32), ids, rows=rows, span=span)
         return Pending(out, self)
 
     def program_text(self, name: str, want: Want | None = None, rows: int | None = None,

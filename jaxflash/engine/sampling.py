@@ -96,33 +96,18 @@ def verify_row(logits: Array, drafts: Array, n_draft, temperature, top_k, top_p,
     `accepted` drafts are kept, and tokens[accepted] is the token after them; tokens[i] for i <= accepted
     is what the sequence emits. position: where tokens[0] goes (tokens[i] goes to position + i).
 
-    Drafts are single proposals (a point mass q at d), so the rule is: keep d with probability p(d) under
-    the request's own sampling distribution p (temperature, top-k, top-p, min-p); at the first rejection
-    draw from p without d, renormalised ((p - q)+); after the last kept draft, draw from p. Then every
-    emitted token has the distribution plain sampling gives. Greedy (temperature 0): keep d while it is the
-    argmax, then the argmax. Zero drafts draw exactly what `sample_row` draws at that position."""
+    Drafts are single proposals (a point mass q at d), and a draft is kept exactly when the token that plain
+    sampling draws at its position (`sample_row`, the same key) is d. That keeps d with probability p(d)
+    under the request's own sampling distribution p (temperature, top-k, top-p, min-p), and at a rejection the
+    position emits that draw, which given "not d" follows (p - q)+ renormalised: the speculative-sampling rule,
+    with its randomness shared with plain sampling, so a seeded request emits the same tokens with or without
+    drafts, whichever were proposed and however many were fed. Greedy (temperature 0): the argmax."""
     k = drafts.shape[0]
-    toks, oks = [], []
-    for i in range(k + 1):
-        greedy = jnp.argmax(logits[i]).astype(jnp.int32)
-        order, s, keep = _filtered(logits[i], temperature, top_k, top_p, min_p)
-        plain = _draw(order, s, keep, greedy, temperature, seed, position + i)  # what sample_row draws here
-        if i == k:
-            toks.append(plain)
-            break
-        d = drafts[i]
-        lp = jnp.where(keep, s, -jnp.inf)
-        p_d = jnp.sum(jnp.where(order == d, jax.nn.softmax(lp), 0.0))
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position + i), 1)
-        u_key, r_key = jax.random.split(key)
-        sampled_ok = jax.random.uniform(u_key) < p_d
-        residual = order[jax.random.categorical(r_key, jnp.where(order == d, -jnp.inf, lp))].astype(jnp.int32)
-        ok = jnp.where(temperature > 0, sampled_ok, greedy == d) & (i < n_draft)
-        # a rejected draft gives the residual draw; past the real drafts the position draws plainly
-        toks.append(jnp.where(ok, d, jnp.where(i < n_draft, jnp.where(temperature > 0, residual, greedy), plain)))
-        oks.append(ok)
-    accepted = jnp.sum(jnp.cumprod(jnp.stack(oks).astype(jnp.int32))) if k else jnp.int32(0)
-    return jnp.stack(toks).astype(jnp.int32), accepted.astype(jnp.int32)
+    draw = jax.vmap(sample_row, in_axes=(0, None, None, None, None, None, 0))
+    tokens = draw(logits, temperature, top_k, top_p, min_p, seed, position + jnp.arange(k + 1))
+    ok = (tokens[:k] == drafts) & (jnp.arange(k) < n_draft)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    return tokens.astype(jnp.int32), accepted.astype(jnp.int32)
 
 
 def verify(logits: Array, drafts: Array, n_draft: Array, rows: SamplingRows, positions: Array):

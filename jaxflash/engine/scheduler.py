@@ -16,14 +16,17 @@ mask can be made, so while one runs, steps are not overlapped.
 Speculative decoding (a runner with draft_tokens K > 0): steps are verify steps, which feed each sequence its
 last token and up to K drafts proposed on the device (engine/speculative.py) and emit 1 to K+1 tokens per
 sequence. The stop rules apply token by token, so a stop token or max_new_tokens inside the accepted drafts
-ends the request there. Each request's draft cap adapts to how often each draft position is kept (`Spec`):
-where later drafts are rarely kept it feeds fewer, where even the first is rarely kept it drops to 0, and a
-step in which every request is at 0 runs the plain decode program.
+ends the request there. Each request's draft cap adapts to how often each draft position is kept and to what
+the steps cost (`Spec`, `StepCosts`): it feeds the number of drafts that gives the most tokens per second of
+step time as measured on this device, so where verify steps cost more than their kept drafts save (host
+experts: each row brings its own misses) it drops to 0; a step in which every request is at 0 runs the plain
+decode program.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Sequence
@@ -79,13 +82,15 @@ class Spec:
     so a proposer whose first draft is good and whose later ones are not (the MTP head chained) feeds the first
     alone. Positions past what a step fed drift back up by RECOVER, so that they are tried again now and then.
     When the first position falls below LOW the cap is 0 for `wait` steps (doubling each time, up to WAIT_MAX),
-    then the first position starts again at 1."""
+    then the first position starts again at 1. choose() picks, below that cap, the number of drafts worth their
+    step's measured cost."""
 
     k: int
     rates: list[float] = field(default_factory=list)
     wait: int = 0
     backoff: int = 4
-    LOW = 0.3  # a draft kept less often than this costs more verify rows than it saves (not yet measured)
+    fed_any: bool = False  # whether any step fed it a draft (only then do its rates say anything)
+    LOW = 0.3  # below this a position is not fed whatever the costs (they are measured, its rate would not be)
     ALPHA = 0.15
     RECOVER = 0.01  # from just below LOW, 7 or 8 steps until the position is tried again
     WAIT_MAX = 64
@@ -102,13 +107,39 @@ class Spec:
             n += 1
         return n
 
+    def expected(self, n: int) -> float:
+        """Tokens a step feeding n drafts is expected to emit: 1 + P(draft 1 kept) + P(drafts 1, 2 kept) + ...
+        A position is taken to be kept no more often than the one before it: a later position's rate is seldom
+        measured (only after every draft before it was kept) and starts high, and the optimism costs a verify
+        step of many rows each time it is tried."""
+        total = kept = 1.0
+        rate = 1.0
+        for r in self.rates[:n]:
+            rate = min(rate, r)
+            kept *= rate
+            total += kept
+        return total
+
+    def choose(self, cost) -> int:
+        """The drafts to feed next, of 0..cap: the most expected tokens per second, where cost(n) is the measured
+        time of a step feeding at most n drafts per sequence (StepCosts.of), None while unmeasured: the fewest
+        unmeasured n is chosen, so each is measured once before the rule relies on it."""
+        n = self.cap
+        times = [cost(c) for c in range(n + 1)]
+        if None in times:
+            return times.index(None)
+        return max(range(n + 1), key=lambda c: (self.expected(c) / times[c], -c))
+
     def step(self, fed: int, kept: int) -> None:
         """After a step that fed `fed` drafts and kept the first `kept` of them."""
         if self.wait > 0:
             self.wait -= 1
             return
-        if not fed:
+        if not fed:  # drafts left out for their cost: drift back, so that they are weighed (and fed) again
+            for i in range(self.k):
+                self.rates[i] += self.RECOVER * (1.0 - self.rates[i])
             return
+        self.fed_any = True
         for i in range(min(fed, kept + 1)):  # drafts 1 .. kept were kept, draft kept + 1 (if fed) was not
             self.rates[i] += self.ALPHA * (float(i < kept) - self.rates[i])
         for i in range(fed, self.k):
@@ -118,6 +149,46 @@ class Spec:
             self.rates[0] = 1.0
         elif kept == fed:
             self.backoff = 4
+
+
+@dataclass
+class StepCosts:
+    """Seconds per decode step by (rows, most drafts any sequence could feed: 0 for the plain decode program):
+    the median of the last SAMPLES steps run back to back (dispatched while the step before was in flight, so
+    the time between their results is the step's own on the device, or the host loop's where that is longer;
+    an interval in which a program compiled is not counted, the median drops a stall now and then, and a cost
+    not refreshed for STALE steps is measured again). A
+    verify step costs more than a plain one by how much its extra rows cost where they are computed: little
+    with the experts on the device, the rows' own expert misses with the experts on the host
+    (benchmarks/RESULTS.md)."""
+
+    samples: dict = field(default_factory=dict)
+    steps: int = 0  # decode steps read so far
+    SAMPLES = 5
+    TRUSTED = 3  # samples before a cost is used: a lone slow step would keep its kind from being chosen again
+    STALE = 256  # steps after which a cost is measured again (contexts grow, the expert cache changes)
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def add(self, rows: int, fed: int, seconds: float) -> None:
+        got, _ = self.samples.get((rows, fed), (deque(maxlen=self.SAMPLES), 0))
+        got.append(seconds)
+        self.samples[rows, fed] = (got, self.steps)
+
+    def of(self, rows: int, fed: int) -> float | None:
+        got, when = self.samples.get((rows, fed), ((), 0))
+        if len(got) < self.TRUSTED:
+            return None
+        if self.steps - when > self.STALE:  # unmeasured again: the next steps of this kind refill it
+            del self.samples[rows, fed]
+            return None
+        return float(np.median(got))
+
+    @property
+    def seconds(self) -> dict:
+        """{(rows, drafts): the cost of such a step}, for what has been measured enough."""
+        return {key: float(np.median(got)) for key, (got, _) in self.samples.items() if len(got) >= self.TRUSTED}
 
 
 class Event(NamedTuple):
@@ -162,6 +233,7 @@ class _Flight:
     owners: tuple  # decode: the request in each slot when it was dispatched (None: no one)
     first_of: Request | None = None  # prefill: the request whose first token it sampled
     fed: int = 1  # decode: positions per sequence it may feed (K+1 for a verify step)
+    cost_key: tuple | None = None  # decode: (rows, most drafts a sequence may feed), when it ran back to back
 
 
 class Scheduler:
@@ -181,6 +253,11 @@ class Scheduler:
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
         self.stats = Stats()
+        self.costs = StepCosts()
+        # the draft positions' acceptance a new request starts from: the ended requests' (half each), since a
+        # short request would otherwise spend its first steps finding what the last one knew
+        self.spec_prior = [1.0] * self.k
+        self._last_result = (0, 0.0)  # (programs compiled, time) when the latest decode step's result was read
         self.pending: deque[Request] = deque()
         self.running: list[Request] = []  # admitted and not finished
         self._in_flight: deque[_Flight] = deque()
@@ -241,7 +318,7 @@ class Scheduler:
         return [self._end(req, "cancelled")]
 
     def _admit(self, req: Request) -> None:
-        req.spec = Spec(self.k) if self.k else None
+        req.spec = Spec(self.k, list(self.spec_prior)) if self.k else None
         req.slot = min(self.free_slots)
         self.free_slots.remove(req.slot)
         n = self.pages_for(req)
@@ -261,6 +338,8 @@ class Scheduler:
 
     def _end(self, req: Request, why: str) -> Event:
         req.finish = why
+        if req.spec is not None and req.spec.fed_any:  # what its drafts taught, for the next requests
+            self.spec_prior = [p + 0.5 * (r - p) for p, r in zip(self.spec_prior, req.spec.rates)]
         self._free(req)
         if req in self.running:
             self.running.remove(req)
@@ -353,8 +432,9 @@ class Scheduler:
         rows = next(b for b in self.buckets if b >= top)
         caps = np.zeros(rows, np.int32)
         if self.k and not any(r.constraint is not None for r in self.running):
+            cost = lambda n: self.costs.of(rows, n)  # noqa: E731
             for r in self.running:  # no proposal in the latest step read: likely none now (one step stale)
-                caps[r.slot] = r.spec.cap if r.proposed else 0
+                caps[r.slot] = r.spec.choose(cost) if r.proposed else 0
         fed = self.k + 1 if caps.any() else 1  # positions this step may feed per sequence
         need = min(max(len(r.prompt) + r.decoded + fed + self.chain for r in self.running), self.max_seq_len)
         span = next(s for s in self.spans if s >= need)
@@ -375,7 +455,9 @@ class Scheduler:
             return False
         for r in self.running:
             r.decoded += fed  # corrected by what the step kept, once it is read
-        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), fed=fed))
+        back_to_back = bool(self._in_flight) and self._in_flight[-1].first_of is None
+        self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), fed=fed,
+                                       cost_key=(rows, int(caps.max())) if back_to_back else None))
         return True
 
     def _drain(self) -> list[Event]:
@@ -398,6 +480,12 @@ class Scheduler:
             if out.proposed is not None:
                 req.proposed = int(out.proposed)
             return self._accept(req, int(out.tokens), _logprob_row(out, None, req), _draft(out, None))
+        self.costs.tick()
+        programs, now = len(self.runner.compile_counts()), time.perf_counter()
+        last_programs, last_time = self._last_result
+        if flight.cost_key is not None and programs == last_programs:  # no compilation in the interval
+            self.costs.add(*flight.cost_key, now - last_time)
+        self._last_result = (programs, now)
         self.stats.decode_steps += 1
         self.stats.expert_misses += int(out.expert_misses)
         self.stats.expert_lookups += int(out.expert_lookups)
