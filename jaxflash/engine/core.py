@@ -78,9 +78,8 @@ class Engine:
         self.hc_kernel = hc_kernel
         self.draft_tokens = _draft_tokens(speculative, draft_tokens)
         self.speculative = speculative if self.draft_tokens else None
-        for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
-            if asked and params.mtp is None:
-                raise ValueError(f"{what}: no MTP head is loaded (the checkpoint has none, or mtp=False)")
+        if params.mtp is None:
+            _no_mtp_head(mtp_drafts, speculative, "no MTP head is loaded (the checkpoint has none, or mtp=False)")
         self.mtp = mtp_drafts or self.speculative == "mtp"  # MTP drafts run the head in every step
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
@@ -359,10 +358,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     cpu = dev.platform == "cpu"
     layout = expert_layout(ckpt, cfg)
     with_mtp = mtp is not False and ckpt.has("mtp.fc_hidden.weight")
-    for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
-        if asked and not with_mtp:
-            raise ValueError(f"{what} needs the MTP head: " + ("mtp=False leaves it out" if mtp is False
-                                                               else "the checkpoint has none"))
+    if not with_mtp:  # checked against the checkpoint before anything loads; Engine checks the params
+        _no_mtp_head(mtp_drafts, speculative, "mtp=False leaves it out" if mtp is False else "the checkpoint has none")
     table_bytes = 0 if on_device is None else on_device[0].nbytes + (4 if on_device[1] is not None else 0)
     mb = model_bytes(ckpt, cfg, dtype, layout, table_bytes, mtp=with_mtp)
     free, note = planner_mod.device_free_bytes(dev)
@@ -392,6 +389,13 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
 
 
 SPECULATIVE = (None, "ngram", "mtp")  # the proposers (jaxflash.engine.speculative)
+
+
+def _no_mtp_head(mtp_drafts: bool, speculative, why: str) -> None:
+    """ValueError if the settings need the MTP head, which is missing (why: the reason it is)."""
+    for asked, what in ((mtp_drafts, "mtp_drafts=True"), (speculative == "mtp", "speculative='mtp'")):
+        if asked:
+            raise ValueError(f"{what} needs the MTP head: {why}")
 
 
 def _draft_tokens(speculative, draft_tokens) -> int:

@@ -724,6 +724,11 @@ class Runner:
         """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
         return self._program(name, want, rows, span).as_text()
 
+    @property
+    def programs_built(self) -> int:
+        """How many programs this runner has compiled or loaded (cheap: the scheduler reads it every step)."""
+        return len(self._programs)
+
     def compile_counts(self) -> dict[str, int]:
         """The programs compiled so far (each exactly once), by label: decode@4 is the decode step of slots
         [0, 4), decode[logprobs,masks]@8 the one with logprobs and grammar masks over 8 slots, decode@8:4096

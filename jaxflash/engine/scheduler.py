@@ -135,15 +135,13 @@ class Spec:
         if self.wait > 0:
             self.wait -= 1
             return
-        if not fed:  # drafts left out for their cost: drift back, so that they are weighed (and fed) again
-            for i in range(self.k):
-                self.rates[i] += self.RECOVER * (1.0 - self.rates[i])
-            return
-        self.fed_any = True
+        self.fed_any |= fed > 0
         for i in range(min(fed, kept + 1)):  # drafts 1 .. kept were kept, draft kept + 1 (if fed) was not
             self.rates[i] += self.ALPHA * (float(i < kept) - self.rates[i])
-        for i in range(fed, self.k):
+        for i in range(fed, self.k):  # positions not fed (all of them when a step fed none for its cost)
             self.rates[i] += self.RECOVER * (1.0 - self.rates[i])
+        if not fed:
+            return
         if self.rates[0] < self.LOW:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, self.WAIT_MAX)
             self.rates[0] = 1.0
@@ -157,10 +155,9 @@ class StepCosts:
     the median of the last SAMPLES steps run back to back (dispatched while the step before was in flight, so
     the time between their results is the step's own on the device, or the host loop's where that is longer;
     an interval in which a program compiled is not counted, the median drops a stall now and then, and a cost
-    not refreshed for STALE steps is measured again). A
-    verify step costs more than a plain one by how much its extra rows cost where they are computed: little
-    with the experts on the device, the rows' own expert misses with the experts on the host
-    (benchmarks/RESULTS.md)."""
+    not refreshed for STALE steps is measured again). A verify step costs more than a plain one by how much its
+    extra rows cost where they are computed: little with the experts on the device, the rows' own expert
+    misses with the experts on the host (benchmarks/RESULTS.md)."""
 
     samples: dict = field(default_factory=dict)
     steps: int = 0  # decode steps read so far
@@ -481,7 +478,7 @@ class Scheduler:
                 req.proposed = int(out.proposed)
             return self._accept(req, int(out.tokens), _logprob_row(out, None, req), _draft(out, None))
         self.costs.tick()
-        programs, now = len(self.runner.compile_counts()), time.perf_counter()
+        programs, now = self.runner.programs_built, time.perf_counter()
         last_programs, last_time = self._last_result
         if flight.cost_key is not None and programs == last_programs:  # no compilation in the interval
             self.costs.add(*flight.cost_key, now - last_time)
