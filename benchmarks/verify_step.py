@@ -102,8 +102,8 @@ def run_config(name, engine, prompts, k, args, trace_dir):
             in_flight.append(runner.decode(rows=rows, span=span))
         if len(in_flight) > 1:
             out = in_flight.popleft().result()
-            misses.append(int(out.expert_misses))
-            lookups.append(int(out.expert_lookups))
+            misses.append(int(out.expert_misses or 0))
+            lookups.append(int(out.expert_lookups or 0))
         stamps.append(time.perf_counter())
 
     for _ in range(args.warm + args.steps):

@@ -17,6 +17,7 @@ import torch
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 import jaxflash
 from jaxflash.config import ModelConfig
@@ -103,6 +104,35 @@ def test_host_table_equals_device_table(ref, engine):
     assert host.host_table is not None and engine.host_table is None
     s = np.arange(40) % ref[0].vocab_size
     np.testing.assert_allclose(host.logits(s), engine.logits(s), rtol=0, atol=1e-6)
+
+
+def test_top_k_ranks_like_lax_top_k(monkeypatch):
+    """base.top_k ranks short inputs by comparisons (decode's routers and QSA block selection) and sorts long
+    ones; both give lax.top_k's values and indices exactly, and top_k_mask its index set, equal values in
+    index order: small integers make many ties, -inf entries tie too (QSA's invisible blocks), float32 and
+    bfloat16, k from 1 to the whole row, 1-D and batched."""
+    from jaxflash.model import base
+
+    rng = np.random.default_rng(7)
+    for compares in (base.RANK_COMPARES, 0):  # ranked, then sorted
+        monkeypatch.setattr(base, "RANK_COMPARES", compares)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for shape in ((16,), (3, 16), (5, 2, 33)):
+                x = jnp.asarray(rng.integers(-3, 4, shape), dtype)
+                if shape[0] == 3:
+                    x = jnp.asarray(rng.standard_normal(shape), dtype)  # no ties
+                x = jnp.where(jnp.asarray(rng.random(shape) < 0.2), -jnp.inf, x)
+                for k in (1, 4, shape[-1]):
+                    v, i = base.top_k(x, k)
+                    v0, i0 = lax.top_k(x, k)
+                    assert i.dtype == jnp.int32 and v.dtype == x.dtype
+                    np.testing.assert_array_equal(np.asarray(i), np.asarray(i0))
+                    np.testing.assert_array_equal(np.asarray(v), np.asarray(v0))
+                    mask = np.zeros(shape, bool)
+                    np.put_along_axis(mask, np.asarray(i0), True, axis=-1)
+                    np.testing.assert_array_equal(np.asarray(base.top_k_mask(x, k)), mask)
+    x = jnp.asarray([0.5, 2.0, 0.5, 2.0, 1.0])
+    assert base.top_k(x, 3)[1].tolist() == [1, 3, 4] and base.top_k(x, 5)[1].tolist() == [1, 3, 4, 0, 2]
 
 
 def test_moe_paths_agree(ref, engine):

@@ -261,6 +261,34 @@ def test_bucket_steps_pass_untouched_state_through(engine):
     assert (new.last_token[1:] == st.last_token[1:]).all()
 
 
+def test_bucket_steps_update_the_ple_context_in_place(engine):
+    """A bucket's decode step hands the PLE host step the state's whole [max_batch, 2] context leaf and returns
+    that call's output as the new leaf: a cut context and its write-back kept the FFI call out of the CUDA
+    graph on the H200 (the host then waited in every step for the previous token). Rows past the bucket are
+    fed nothing and keep their context (the tokens of buckets against the lone request: the test above)."""
+    import jax
+
+    runner = engine.scheduler.runner
+    st, setup = runner.state, runner.setup
+    assert st.seqs.ple_context is not None and setup.max_batch > 1
+
+    def step(params, state):
+        cut = runner_mod._first_rows(state, 1)
+        sub, _ = runner_mod.decode_step(params, setup, runner_mod.Want(), cut, None, None)
+        return runner_mod._put_first_rows(state, 1, cut, sub)
+
+    params = runner.params
+    closed = jax.make_jaxpr(step)(params, st)
+    n_params = len(jax.tree.leaves(params))
+    leaves = jax.tree.leaves(st)
+    at = next(i for i, a in enumerate(leaves) if a is st.seqs.ple_context)
+    ctx_in, ctx_out = closed.jaxpr.invars[n_params + at], closed.jaxpr.outvars[at]
+    calls = [e for e in closed.jaxpr.eqns if "jaxflash_ple_step" in str(e.params.get("target_name", ""))]
+    assert len(calls) == 1 and calls[0].invars[3] is ctx_in and calls[0].outvars[3] is ctx_out
+    context = np.asarray(jax.jit(step)(params, st).seqs.ple_context)
+    assert (context[1:] == np.asarray(st.seqs.ple_context)[1:]).all()
+
+
 def test_context_buckets_give_the_whole_context_tokens(engine, monkeypatch):
     """With a short context bucket of 64 positions in a 192-token engine, decode steps read 64 positions while
     every running sequence is shorter, then the whole context; the tokens equal the one-bucket engine's, for a

@@ -360,6 +360,28 @@ def _prefilled(sched, prompts):
     return reqs, emitted
 
 
+def _vocab_reads(runner, setup) -> int:
+    """Matrix products with a [vocab, hidden] operand in the decode step built for `setup` (nested jaxprs too)."""
+    import jax.extend.core as jax_core
+
+    from jaxflash.engine import runner as runner_mod
+
+    cfg = setup.cfg
+    closed = jax.make_jaxpr(lambda p, st: runner_mod.decode_step(p, setup, Want(), st, None, None))(
+        runner.params, runner.state)
+
+    def count(jaxpr) -> int:
+        n = 0
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                n += any(getattr(v.aval, "shape", None) == (cfg.vocab_size, cfg.hidden_size) for v in e.invars)
+            for sub in jax_core.jaxprs_in_params(e.params):
+                n += count(sub)
+        return n
+
+    return count(closed.jaxpr)
+
+
 def _verify_chosen(runner, reqs, emitted, ref, step: int, want: Want):
     """One verify step fed plain decoding's next tokens (ref[b], the tokens after the prompt) as drafts, with a
     first wrong one placed by step and row ((step + b) % (K + 2); K + 1: no drafts fed) so that successive
@@ -457,7 +479,8 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
     wrong token placed so that the steps keep every number of drafts (0 to K, and none fed). After the prefill
     and after every verify step the drafts the state holds for the next step equal the head chained over the
     sequence recomputed from position 0 (_chained_head), so the head's KV pages hold exactly the kept pairs (the
-    verify steps' draft logits too); the steps emit plain decoding's tokens."""
+    verify steps' draft logits too); the steps emit plain decoding's tokens. Plain decode steps propose no drafts
+    (their head runs for its KV alone): after two of them, a verify step feeding none drafts the same chain."""
     k = 3
     spec = jaxflash.load(nvfp4_dir, expert_residency="device", speculative="mtp", draft_tokens=k, **SMALL)
     assert spec.mtp and spec.speculative == "mtp"
@@ -476,6 +499,9 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
             _assert_drafts_equal([int(d) for d in st.drafts[r.slot]],
                                  None if draft_logits is None else draft_logits[r.slot], want, logits)
 
+    # a plain step reads the vocabulary's weights once (the model's logits), twice with the head's guess
+    assert _vocab_reads(runner, runner.setup) == 1
+    assert _vocab_reads(runner, dataclasses.replace(runner.setup, decode_drafts=True)) == 2
     try:
         check_drafts()
         seen = set()
@@ -485,10 +511,17 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
             assert kept == want_kept
             seen.update(kept)
             check_drafts(o.draft_logits)
-        o = runner.decode().result()  # a plain step chains the head too
+        for _ in range(2):  # plain steps: no drafts, no draft logits, the head's KV written
+            o = runner.decode(Want(logits=True)).result()
+            assert o.drafts is None and o.draft_logits is None and o.proposed is None
+            assert not np.asarray(runner.state.spec.n_draft).any()
+            for b, r in enumerate(reqs):
+                emitted[b].append(int(o.tokens[r.slot]))
+        o = runner.verify(np.full(runner.setup.max_batch, k, np.int32), Want(logits=True)).result()
         for b, r in enumerate(reqs):
-            emitted[b].append(int(o.tokens[r.slot]))
-        check_drafts()
+            assert int(o.n_draft[r.slot]) == 0 and int(o.accepted[r.slot]) == 0
+            emitted[b].append(int(o.tokens[r.slot, 0]))
+        check_drafts(o.draft_logits)
     finally:
         for r in reqs:
             sched._free(r)
@@ -514,6 +547,28 @@ def test_draft_cap_follows_each_positions_acceptance():
     assert caps[:9] == [3] * 8 + [1] and set(caps[8:]) == {1, 3} and 6 <= caps[8:].count(3) <= 8
     assert _caps(Spec(3), lambda c: 0, 40) == [3] * 8 + [0] * 4 + [3] * 8 + [0] * 8 + [3] * 8 + [0] * 4
     assert _caps(Spec(3), lambda c: min(c, 2), 30).count(2) >= 18  # the third position alone dropped
+
+
+def test_step_costs_are_measured_again_when_stale():
+    """A cost is trusted from TRUSTED samples on (the median of the last SAMPLES), reading it changes nothing,
+    and after STALE steps without a sample it is unknown until TRUSTED fresh samples replace the old ones."""
+    c = StepCosts()
+    for t in (1.0, 9.0):
+        c.add(1, 0, t)
+    assert c.of(1, 0) is None
+    c.add(1, 0, 2.0)
+    assert c.of(1, 0) == 2.0 and c.of(1, 0) == 2.0 and c.of(2, 0) is None
+    for t in (3.0, 4.0, 5.0):
+        c.add(1, 0, t)
+    assert c.of(1, 0) == 4.0  # 9, 2, 3, 4, 5
+    for _ in range(StepCosts.STALE + 1):
+        c.tick()
+    assert c.of(1, 0) is None and c.of(1, 0) is None
+    for t in (7.0, 8.0):
+        c.add(1, 0, t)
+        assert c.of(1, 0) is None
+    c.add(1, 0, 6.0)
+    assert c.of(1, 0) == 7.0  # the old samples are gone
 
 
 def test_draft_cap_weighs_the_measured_step_costs():

@@ -80,7 +80,8 @@ class Engine:
         self.speculative = speculative if self.draft_tokens else None
         if params.mtp is None:
             _no_mtp_head(mtp_drafts, speculative, "no MTP head is loaded (the checkpoint has none, or mtp=False)")
-        self.mtp = mtp_drafts or self.speculative == "mtp"  # MTP drafts run the head in every step
+        self.mtp = mtp_drafts or self.speculative == "mtp"  # the head's layer runs in every step (its KV)
+        self.mtp_drafts = mtp_drafts  # and its guess in every decode step (the acceptance statistics)
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
         self._logits = jax.jit(lambda p, t, rows: transformer.forward(p, config, t, ple_rows=rows))
@@ -195,7 +196,7 @@ class Engine:
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
                                 self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens,
-                                self.speculative)
+                                self.speculative, decode_drafts=self.mtp_drafts)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -325,8 +326,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     speculative: decode speculatively with up to draft_tokens (1 to 3) drafts per sequence and step, checked in
     one verify step; the output is what plain decoding gives, token for token (greedy, or sampled with the same
     seed). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
-    draft_tokens times (it then runs in every step; jaxflash.engine.speculative). The drafts fed per step adapt
-    to their acceptance and the measured step times (scheduler.Spec). None (the default) decodes one token per
+    draft_tokens times in each verify step (jaxflash.engine.speculative; a plain decode step runs only the
+    head's layer, to keep its KV cache current). The drafts fed per step adapt to their acceptance and the
+    measured step times (scheduler.Spec), down to plain steps. None (the default) decodes one token per
     step: with host experts speculation loses on the H200; with every expert on the device, "mtp" with
     draft_tokens=1 measured best (benchmarks/RESULTS.md).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it

@@ -87,7 +87,7 @@ class Setup:
     table: Any = None  # ffi.NgramTable (PLE models)
     hash: Any = None  # ffi.NgramHash
     table_scale: float | None = None  # the FP8 table's global scale
-    mtp: bool = False  # run the MTP head in every step: keeps its KV current and drafts the token after next
+    mtp: bool = False  # run the MTP head's layer in every step, so that its KV cache holds every kept pair
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
     expert_kernel: bool | str | None = None  # decode's resident experts by the NVFP4 kernels (None: where they
     # apply; "pallas" / "cuda": that route; host residency: host.kernel and host.route say the same for the slots)
@@ -97,9 +97,12 @@ class Setup:
     # than XLA's on the H200; elsewhere it runs in interpret mode, for tests)
     draft_tokens: int = 0  # speculative decoding: K drafts per sequence in a verify step (0: off)
     speculative: str | None = None  # their proposer: "ngram" or "mtp" (the MTP head chained; needs mtp)
+    decode_drafts: bool = False  # plain decode steps also draft the token after next with the head (its logits,
+    # for the acceptance statistics; needs mtp). Speculation does not need them: verify steps draft for the
+    # next one, and a decode step of an MTP engine keeps the head's KV alone (see decode_step)
 
     def __post_init__(self):
-        if self.speculative == "mtp" and not self.mtp:
+        if (self.speculative == "mtp" or self.decode_drafts) and not self.mtp:
             raise ValueError("MTP drafts need the MTP head run in every step (Setup.mtp)")
 
     @property
@@ -184,8 +187,9 @@ class StepOutput:
     prompt_logprobs: LogProbs | None  # Want.score: [C] for the given next tokens of a prefill chunk
     ple_status: Array | None  # int32[2]: the PLE host step's status words (PLE models)
     cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
-    expert_misses: Array  # int32: experts copied into the VRAM caches by this step (decode, host residency)
-    expert_lookups: Array  # int32: distinct (layer, expert) uses looked up in them
+    expert_misses: Array | None  # int32: experts copied into the VRAM caches by this step (decode, host residency)
+    expert_lookups: Array | None  # int32: distinct (layer, expert) uses looked up in them; both None without
+    # host experts (constant outputs cost a copy and a transfer each per step)
     accepted: Array | None = None  # verify [B] int32: the drafts each row kept
     n_draft: Array | None = None  # verify [B] int32: the drafts each row fed
     proposed: Array | None = None  # speculation: [B] / prefill [] int32: the drafts proposed for the next step
@@ -209,12 +213,18 @@ def apply_mask(logits: Array, bits: Array) -> Array:
 # ----- the programs -----------------------------------------------------------------------------------------
 def _ple_rows(setup: Setup, tokens: Array, context: Array | None, n_new: Array):
     """The n-gram rows of the new tokens [b, T] (FFI host step: hash + table lookup), the new context, the
-    step's status words; (None, None, None) for a model without PLE."""
+    step's status words; (None, None, None) for a model without PLE. The context may have more rows than
+    tokens (a decode bucket passes the whole [max_batch, 2] context, see _first_rows): the rows past b are fed
+    nothing and keep their context."""
     if setup.table is None:
         return None, None, None
+    b, extra = tokens.shape[0], context.shape[0] - tokens.shape[0]
+    if extra:
+        tokens = jnp.pad(tokens, ((0, extra), (0, 0)))
+        n_new = jnp.pad(n_new, (0, extra))
     with jax.named_scope("ple_host_step"):
         step = ffi.ple_step(tokens, context, setup.table, setup.hash, lengths=n_new)
-        rows = up(step.rows)
+        rows = up(step.rows[:b])
         if setup.table_scale is not None:
             rows = rows * setup.table_scale
     return rows, step.context, step.info
@@ -240,7 +250,7 @@ def _capacity(setup: Setup, page_table: Array) -> Array:
 
 def _cache_counts(experts: CachedExperts | None):
     if experts is None:
-        return None, jnp.int32(0), jnp.int32(0)
+        return None, None, None
     status = jnp.stack(experts.status)
     return status, jnp.sum(status[:, 0]), jnp.sum(status[:, 1])
 
@@ -266,18 +276,22 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
         tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths)
     drafts = draft_logits = None
     mtp = st.mtp
-    if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, and a guess of token t+2
+    if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, so that a later step's drafts read
+        # every pair; with decode_drafts, also its guess of token t+2
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens[:, None], batch, st.mtp)
-        draft_logits = mtp_mod.mtp_logits(params, cfg, hm[:, 0])
-        drafts = spec_mod.greedy(draft_logits)
-    spec = st.spec
-    if setup.speculative == "mtp":  # the next verify step's drafts: that guess, then the head chained
-        spec, mtp, _ = spec_mod.mtp_chain(params, cfg, hm[:, 0], drafts, lengths,
-                                          _capacity(setup, batch.page_table), batch.page_table, mtp,
-                                          setup.draft_tokens, st.active)
+        if setup.decode_drafts:
+            draft_logits = mtp_mod.mtp_logits(params, cfg, hm[:, 0])
+            drafts = spec_mod.greedy(draft_logits)
+    spec, proposed = st.spec, None
+    if setup.speculative == "mtp":  # no drafts from a plain step: a sequence steps plainly when drafts do not pay
+        # for it, and the head's logits (a pass over the vocabulary's weights) and chain cost the most of the
+        # head. A verify step feeding none then drafts for the next (the head's KV is current); proposed stays
+        # None, so the scheduler keeps what it last read.
+        spec = dataclasses.replace(spec, n_draft=jnp.zeros_like(spec.n_draft))
     elif spec is not None:  # the new token into each row's history, and the next verify step's drafts
         spec = spec_mod.advance(spec, lengths, tokens[:, None], lengths, _capacity(setup, st.seqs.page_table),
                                 st.active)
+        proposed = spec.n_draft
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, mtp=mtp,
@@ -287,7 +301,7 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
                      logits=logits if want.logits else None,
                      draft_logits=draft_logits if want.logits else None, prompt_logprobs=None,
                      ple_status=ple_status, cache_status=cache_status, expert_misses=misses, expert_lookups=lookups,
-                     proposed=None if spec is None else spec.n_draft)
+                     proposed=proposed)
     return st, out
 
 
@@ -329,9 +343,11 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
             params, cfg, hm, spec_mod.greedy(first_logits), lengths, _capacity(setup, batch.page_table),
             batch.page_table, mtp, k, st.active, first_logits if want.logits else None)
     context = ctx0
-    if ctx0 is not None:  # the last tokens fed and kept (the PLE step's own context counts every fed token)
-        context = jax.vmap(lambda c, f, n: lax.dynamic_slice_in_dim(jnp.concatenate([c, f]), n, c.shape[0]))(
-            ctx0, fed, keep)
+    if ctx0 is not None:  # the last tokens fed and kept (the PLE step's own context counts every fed token);
+        # a bucket's context is the whole [max_batch, 2] (see _first_rows): its first rows move
+        b = fed.shape[0]
+        context = ctx0.at[:b].set(jax.vmap(
+            lambda c, f, n: lax.dynamic_slice_in_dim(jnp.concatenate([c, f]), n, c.shape[0]))(ctx0[:b], fed, keep))
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
     if setup.speculative == "ngram":
         spec = spec_mod.advance(sp, st.seqs.lengths + 1, tokens, lengths, _capacity(setup, st.seqs.page_table),
@@ -370,15 +386,18 @@ def _per_slot(fn, *layers: tuple) -> tuple:
 
 def _first_rows(st: DecodeState, rows: int) -> DecodeState:
     """The state of slots [0, rows) (a decode bucket): per-slot arrays cut to their first rows; shared parts
-    (KV pages, expert caches) and the GDN states whole: the step reads and updates their first rows in place
-    (gated_deltanet_batch), where a cut and its write-back would be device copies outside the CUDA graph, two
-    per GDN layer and step (3 MB per slot for a recurrent state at full size)."""
+    (KV pages, expert caches), the GDN states and the PLE context whole: the step reads and updates their
+    first rows in place (gated_deltanet_batch, _ple_rows), where a cut and its write-back would be device
+    copies outside the CUDA graph, two per GDN layer and step (3 MB per slot for a recurrent state at full
+    size); the PLE host step's cut context kept that FFI call out of the graph, and the host waited there for
+    the previous step's token."""
     cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731
 
     def cut_mixer(m):
         return m if isinstance(m, GDNState) else cut(m)
 
-    return dataclasses.replace(st, seqs=cut(st.seqs), layers=_per_slot(cut_mixer, st.layers),
+    seqs = dataclasses.replace(cut(st.seqs), ple_context=st.seqs.ple_context)
+    return dataclasses.replace(st, seqs=seqs, layers=_per_slot(cut_mixer, st.layers),
                                sampling=cut(st.sampling), active=st.active[:rows], last_token=st.last_token[:rows],
                                spec=cut(st.spec))
 
@@ -387,9 +406,11 @@ def _put_first_rows(st: DecodeState, rows: int, cut: DecodeState, sub: DecodeSta
     """The whole state after a bucket's step: sub (the step's result from cut = _first_rows(st, rows)) written
     into rows [0, rows) of st. A leaf the step returned as it got it (sampling rows, page tables, active flags)
     keeps st's array: writing its own rows back costs XLA a pair of device copies each (seen in the H200's
-    optimized HLO; copies run outside the CUDA graph)."""
+    optimized HLO; copies run outside the CUDA graph). A leaf the step got whole (the PLE context) comes back
+    whole."""
     def put(t, c, r):
-        return jax.tree.map(lambda a, b, n: a if n is b else a.at[:rows].set(n), t, c, r)
+        return jax.tree.map(lambda a, b, n: a if n is b else n if n.shape == a.shape else a.at[:rows].set(n),
+                            t, c, r)
 
     def put_mixer(old, before, new):
         return new if isinstance(old, GDNState) else put(old, before, new)
@@ -453,8 +474,8 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     out = StepOutput(tokens=token, drafts=drafts, logprobs=logprobs_of(logits, token) if want.logprobs else None,
                      logits=logits if want.logits else None,
                      draft_logits=draft_logits if want.logits else None, prompt_logprobs=prompt_lp,
-                     ple_status=ple_status, cache_status=None, expert_misses=jnp.int32(0),
-                     expert_lookups=jnp.int32(0), proposed=None if spec is None else spec.n_draft[slot])
+                     ple_status=ple_status, cache_status=None, expert_misses=None,
+                     expert_lookups=None, proposed=None if spec is None else spec.n_draft[slot])
     return st, out
 
 

@@ -20,7 +20,8 @@ ends the request there. Each request's draft cap adapts to how often each draft 
 the steps cost (`Spec`, `StepCosts`): it feeds the number of drafts that gives the most tokens per second of
 step time as measured on this device, so where verify steps cost more than their kept drafts save (host
 experts: each row brings its own misses) it drops to 0; a step in which every request is at 0 runs the plain
-decode program.
+decode program. With MTP drafts that program runs only the head's layer (its KV), not its drafts, so the
+verify step that resumes speculation feeds none and drafts for the one after it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Request:
     draft: int | None = None  # the MTP head's guess of the next token
     decoded: int = 0  # positions its dispatched steps may have fed: the next one writes from len(prompt) + decoded
     spec: Spec | None = None  # speculative decoding: its draft cap
-    proposed: int = 0  # speculative decoding: drafts the device proposed after its latest token read
+    proposed: int = 0  # speculative decoding: drafts the device proposed after its latest token read (an MTP
+    # engine's plain steps propose nothing and leave it: a verify step then feeds none and proposes)
 
 
 @dataclass
@@ -168,17 +170,19 @@ class StepCosts:
     def tick(self) -> None:
         self.steps += 1
 
+    def _stale(self, when: int) -> bool:
+        return self.steps - when > self.STALE
+
     def add(self, rows: int, fed: int, seconds: float) -> None:
-        got, _ = self.samples.get((rows, fed), (deque(maxlen=self.SAMPLES), 0))
+        got, when = self.samples.get((rows, fed), (None, 0))
+        if got is None or self._stale(when):  # a stale cost is measured afresh
+            got = deque(maxlen=self.SAMPLES)
         got.append(seconds)
         self.samples[rows, fed] = (got, self.steps)
 
     def of(self, rows: int, fed: int) -> float | None:
         got, when = self.samples.get((rows, fed), ((), 0))
-        if len(got) < self.TRUSTED:
-            return None
-        if self.steps - when > self.STALE:  # unmeasured again: the next steps of this kind refill it
-            del self.samples[rows, fed]
+        if len(got) < self.TRUSTED or self._stale(when):
             return None
         return float(np.median(got))
 
@@ -484,8 +488,9 @@ class Scheduler:
             self.costs.add(*flight.cost_key, now - last_time)
         self._last_result = (programs, now)
         self.stats.decode_steps += 1
-        self.stats.expert_misses += int(out.expert_misses)
-        self.stats.expert_lookups += int(out.expert_lookups)
+        if out.expert_lookups is not None:
+            self.stats.expert_misses += int(out.expert_misses)
+            self.stats.expert_lookups += int(out.expert_lookups)
         events = []
         if out.accepted is not None:  # a verify step: 1 to K+1 tokens per sequence
             self.stats.verify_steps += 1

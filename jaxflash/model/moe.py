@@ -19,7 +19,7 @@ from jax import lax
 
 from ..config import ModelConfig
 from ..kernels import nvfp4_experts
-from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, up
+from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, top_k, up
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -127,7 +127,7 @@ def route(p: MoE, cfg: ModelConfig, x: Array, probs: Array | None = None) -> tup
     """Top-k expert ids [N, k] (int32) and their weights [N, k] (x's dtype): softmax in float32, top-k,
     renormalised when norm_topk_prob."""
     probs = router_probs(p, x) if probs is None else probs
-    w, idx = lax.top_k(probs, cfg.num_experts_per_tok)
+    w, idx = top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     return w.astype(x.dtype), idx.astype(jnp.int32)

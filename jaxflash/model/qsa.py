@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass, up
+from .base import Array, linear, pytree_dataclass, top_k_mask, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -62,9 +62,7 @@ def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_
     scores = jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
     valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
     k = min(cfg.block_topk, n_blocks)
-    _, top = lax.top_k(jnp.where(valid, scores, -jnp.inf), k)
-    rows = jnp.arange(q_pos.shape[0])[:, None]
-    chosen = jnp.zeros((q_pos.shape[0], n_blocks), bool).at[rows, top].set(True) & valid
+    chosen = top_k_mask(jnp.where(valid, scores, -jnp.inf), k) & valid
     block_of_key = jnp.minimum(s // r, n_blocks - 1)
     in_chosen = jnp.where(s[None, :] < n_blocks * r, chosen[:, block_of_key], False)
     return in_chosen | tail
