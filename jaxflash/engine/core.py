@@ -311,8 +311,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False leaves it on disk and its
     VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in every decode step,
     keeping its KV cache current and drafting the token after next (`engine.scheduler.stats.mtp_acceptance`
-    then reports how often the draft was right). Off by default: only speculative="mtp" uses the drafts, and
-    the head costs a decoder layer and a second lm_head read per step.
+    then reports how often the draft was right). Off by default: it costs a decoder layer and a second lm_head
+    read per step, and speculative="mtp" needs only the layer in plain steps (it drafts in verify steps).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas expert kernels (default: on a GPU;
