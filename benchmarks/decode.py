@@ -412,7 +412,7 @@ def main(argv=None) -> int:
             # each slot's stream: its prompt, the warm-up, the timed and traced steps (then it wraps around)
             ids, _ = model.sample(args.prompt + args.steps + args.trace_steps + 2 * batch + 16, streams=batch)
             feed = StreamRouting(ids)
-        host = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots) if mode == "host" else None
+        host = HostExperts(pool, layout, plan.cache_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
                      ngram=ngram, routing=feed, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
                      hc_kernel=hc_kernel)

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                                 dtype_bytes=jnp.dtype(args.dtype).itemsize, rows_per_seq=1 + k)
             host = None
             if mode == "host":
-                host = HostExperts(model.pool, model.layout, plan.cache_slots, plan.staging_slots)
+                host = HostExperts(model.pool, model.layout, plan.cache_slots)
             eng = Engine(cfg, model.params if mode == "host" else dparams, plan=plan, host_experts=host,
                          ngram=model.ngram, speculative=proposer, draft_tokens=k or 3, routing=routing_feed(k))
             engines.append((f"{mode}-b{args.batch}-{proposer or 'plain'}{k or ''}", mode, proposer, k, eng))

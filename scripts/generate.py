@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-slots", type=cli.positive_int, default=None,
                     help="expert cache slots per layer (host residency)")
     ap.add_argument("--max-seq-len", type=cli.positive_int, default=None)
+    ap.add_argument("--prefill-chunk", type=cli.positive_int, default=None,
+                    help="prompt tokens per prefill step (default: the planner's choice)")
     ap.add_argument("--verbose", "-v", action="store_true", help="log the memory plan")
     cli.add_speculative(ap)
     cli.add_compile_cache(ap)
@@ -65,7 +67,7 @@ def generate(args) -> int:
     t0 = time.perf_counter()
     engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                            vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=1,
-                           max_seq_len=args.max_seq_len, mtp=args.spec == "mtp",
+                           max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, mtp=args.spec == "mtp",
                            **cli.speculative(args))
     print(f"[loaded {model_dir} in {time.perf_counter() - t0:.1f} s: {engine.plan.summary()}]", file=sys.stderr)
     if args.chat:

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
                     help="expert cache slots per layer (host residency)")
     ap.add_argument("--max-batch", type=cli.positive_int, default=8, help="sequences decoded together (concurrency)")
     ap.add_argument("--max-seq-len", type=cli.positive_int, default=None, help="context length (default: what fits)")
+    ap.add_argument("--prefill-chunk", type=cli.positive_int, default=None,
+                    help="prompt tokens per prefill step (default: the planner's choice, logged)")
     ap.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before answering 503")
     ap.add_argument("--max-body-mb", type=cli.positive_float, default=8.0, help="request body size limit")
     ap.add_argument("--header-timeout", type=cli.positive_float, default=10.0,
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
         tok = Tokenizer(model_dir)
         engine = jaxflash.load(model_dir, dtype=dtype, expert_residency=args.expert_residency,
                                vram_budget=args.vram_budget, cache_slots=args.cache_slots, max_batch=args.max_batch,
-                               max_seq_len=args.max_seq_len, mtp=args.spec == "mtp", progress=True,
+                               max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                               mtp=args.spec == "mtp", progress=True,
                                **cli.speculative(args))
         plan = engine.plan
         print(f"\njaxflash serving {name!r} ({dtype}) on http://{args.host}:{args.port}\n"
@@ -79,8 +82,8 @@ def main(argv=None) -> int:
                                                else "") +
               f"\n  concurrency: {plan.max_batch} sequences, context {plan.max_seq_len} tokens, "
               + (f"{engine.draft_tokens} {engine.speculative} drafts per step, " if engine.draft_tokens else "") +
-              f"KV cache {plan.kv_tokens} tokens\n  compiling the programs (the compilation cache makes the next "
-              "start faster) ...", flush=True)
+              f"KV cache {plan.kv_tokens} tokens, prefill chunks of {plan.prefill_chunk} tokens\n"
+              "  compiling the programs (the compilation cache makes the next start faster) ...", flush=True)
         return engine, tok
 
     failed: list[str] = []

@@ -31,6 +31,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("script,args,says", [
     ("serve.py", ["--port", "99999"], "a TCP port is 1..65535"),
     ("serve.py", ["--max-batch", "0"], "must be at least 1"),
+    ("serve.py", ["--prefill-chunk", "0"], "must be at least 1"),
     ("serve.py", ["--vram-budget", "lots"], "cannot read 'lots' as a memory size"),
     ("serve.py", ["--model", "/nonexistent"], "/nonexistent: no such directory"),
     ("generate.py", ["--model", "/nonexistent", "--prompt", "x"], "/nonexistent: no such directory"),

@@ -187,6 +187,89 @@ def test_admitted_while_another_decodes(engine, tok):
     assert [ra.out, rb.out, rc.out] == solo
 
 
+def test_a_long_prompt_is_prefilled_between_decode_steps(engine, tok, monkeypatch):
+    """B's prompt spans 5 prefill chunks (16 tokens each, conftest.py): each step dispatches one of them, then
+    a decode step for A, so A keeps producing tokens while B prefills; both give what they give alone."""
+    words = " ".join(["and the earth was without form and void"] * 10)
+    pa, pb = tok.encode("In the beginning"), tok.encode(words)[:70]
+    assert -(-len(pb) // engine.scheduler.chunk) == 5
+    kw = dict(max_new_tokens=[30, 6], temperature=[0.0, 0.8], seed=[4, 5], ignore_eos=True)
+    solo = [alone(engine, p, **{k: v[i] if isinstance(v, list) else v for k, v in kw.items()})
+            for i, p in enumerate((pa, pb))]
+    log = []
+    real_prefill, real_decode = runner_mod.Runner.prefill, runner_mod.Runner.decode
+    monkeypatch.setattr(runner_mod.Runner, "prefill",
+                        lambda self, *a, **k: log.append("prefill") or real_prefill(self, *a, **k))
+    monkeypatch.setattr(runner_mod.Runner, "decode",
+                        lambda self, *a, **k: log.append("decode") or real_decode(self, *a, **k))
+    sched = engine.scheduler
+    ra, rb = requests(engine, [pa, pb], **kw)
+    sched.submit(ra)
+    events = []
+    while len(ra.out) < 3:
+        events += sched.step()
+    sched.submit(rb)
+    log.clear()
+    a_tokens = []
+    while rb.slot < 0 or not rb.out:
+        got = sched.step()
+        a_tokens.append(sum(1 for ev in got if ev.request is ra and ev.token is not None))
+        events += got
+    chunks = [i for i, kind in enumerate(log) if kind == "prefill"]
+    assert len(chunks) == 5 and all(log[i + 1] == "decode" for i in chunks)  # a decode step after each chunk
+    assert sum(a_tokens[:4]) >= 3  # A's tokens kept coming while B's first chunks were in
+    while not sched.idle:
+        events += sched.step()
+    assert_clean_stream(events)
+    assert [ra.out, rb.out] == solo
+
+
+def test_short_prompts_take_the_short_prefill_bucket(engine, monkeypatch):
+    """A plain prefill's last piece (a short prompt's only one) goes to the smallest bucket that holds it: with
+    a short bucket of 8 tokens beside the 16-token chunk, prompts of 5 and 21 tokens run chunks of 8 and
+    16 + 8 rows, and give the tokens they give with whole chunks; logprob requests keep whole chunks."""
+    from jaxflash.engine import scheduler as scheduler_mod
+
+    sched = engine.scheduler
+    rng = np.random.default_rng(22)
+    v = engine.config.vocab_size
+    prompts = [[int(t) for t in rng.integers(0, v, n)] for n in (5, 21)]
+    kw = dict(max_new_tokens=6, ignore_eos=True)
+    whole = engine.generate(prompts, **kw)
+    widths = []
+    real = sched.runner.prefill
+    with monkeypatch.context() as m:
+        m.setattr(sched, "prefill_buckets", [8, sched.chunk])
+        m.setattr(sched.runner, "prefill", lambda slot, tokens, *a, **k: widths.append(len(tokens))
+                  or real(slot, tokens, *a, **k))
+        assert engine.generate(prompts, **kw) == whole
+        assert sorted(widths) == [8, 8, 16]
+        widths.clear()
+        reqs = requests(engine, prompts[:1], max_new_tokens=2)
+        reqs[0].logprobs = 0
+        list(sched.run(reqs))
+        assert widths == [16] and reqs[0].finish == "length"
+    assert "prefill@8" in sched.compile_counts()
+    assert scheduler_mod.SHORT_CHUNK == 256 and sched.prefill_buckets == [16]  # 16-token chunks: one bucket
+
+
+def test_warm_up_warns_when_temporaries_outgrow_the_workspace(engine, monkeypatch, caplog):
+    """The planner's workspace is an estimate: a compiled program needing more says so (at warm-up)."""
+    import logging
+
+    sched = engine.scheduler
+    programs = [("prefill", runner_mod.Want())]
+    need = sched.runner.temp_bytes(*programs[0])
+    assert need and need > 0  # XLA's buffer assignment says it on the CPU too
+    with caplog.at_level(logging.WARNING, logger="jaxflash.engine.scheduler"):
+        monkeypatch.setitem(sched.plan.reserved, "workspace", need)
+        sched._check_workspace(programs)
+        assert not caplog.records
+        monkeypatch.setitem(sched.plan.reserved, "workspace", need - 1)
+        sched._check_workspace(programs)
+    assert "prefill needs" in caplog.text and "lower prefill_chunk" in caplog.text
+
+
 class CountUp:
     """A constraint allowing only (previous token + 1) mod V: each mask depends on the token just sampled, so
     it is only right if every step is read before the next is dispatched."""
@@ -323,7 +406,8 @@ def test_context_buckets_give_the_whole_context_tokens(engine, monkeypatch):
     assert spans[0] == 64 and spans[-1] == 192 and spans.count(64) == 64 - 50  # positions 50..63 fit in 64
     spans.clear()
     assert bucketed([crossing, longer], **kw) == engine.generate([crossing, longer], **kw)
-    first = spans.index(192)  # once the longer one runs (admissions come one per step), the whole context
-    assert first <= 2 and set(spans[first:]) == {192}
+    # the crossing one decodes alone while the longer one's chunks go in (one per step), then the whole context
+    first = spans.index(192)
+    assert first == -(-len(longer) // sched.chunk) and set(spans[first:]) == {192}
     assert "decode@1:64" in sched.compile_counts()
     assert sched.spans == [192] and sched.runner.decode == real  # the shared engine as it was

@@ -2,7 +2,7 @@
 
     core.py       Engine and load(): weights, residency, full-sequence logits
     planner.py    where the experts live; cache slots, KV pages and context length from the memory budget
-    experts.py    the expert sources of host residency: the VRAM LRU cache (decode) and prefill staging
+    experts.py    the expert source of host residency: the VRAM LRU cache (decode steps and prefill chunks)
     runner.py     the weights, the device state of every slot, and the compiled prefill-chunk / decode-step
                   programs over them
     sampling.py   greedy / temperature / top-k / top-p / min-p with per-request seeds, inside the step

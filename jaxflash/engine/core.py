@@ -307,7 +307,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     a VRAM cache of `cache_slots` experts per layer; "auto" picks "device" when everything fits the budget.
     vram_budget caps the device memory the engine plans for (e.g. "32GiB" to act as a 32 GB card).
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
-    CPU); prefill_chunk tokens per prefill step (default 256, 64 on the CPU). mtp: load the MTP head
+    CPU); prefill_chunk tokens per prefill step (default: the planner's choice, the largest of 256 to 8192
+    whose workspace takes at most 1/8 of the budget; 64 on the CPU). mtp: load the MTP head
     (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False leaves it on disk and its
     VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in every decode step,
     keeping its KV cache current and drafting the token after next (`engine.scheduler.stats.mtp_acceptance`
@@ -368,7 +369,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     plan = planner_mod.plan(
         cfg, mb, residency=expert_residency, budget=budget, free=free, free_note=note, max_batch=max_batch,
         max_seq_len=max_seq_len or (min(cfg.max_position_embeddings, 4096) if cpu else None),
-        cache_slots=cache_slots, prefill_chunk=prefill_chunk or (64 if cpu else 256),
+        cache_slots=cache_slots, prefill_chunk=prefill_chunk or (64 if cpu else None),
         dtype_bytes=jnp.dtype(dtype).itemsize, rows_per_seq=1 + k_drafts)
     host = plan.residency == "host"
     if host and layout is None:
@@ -384,7 +385,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         pool = ffi.ExpertPool.from_checkpoint(ckpt, layout, range(cfg.num_hidden_layers), cfg.num_experts)
         log.info("expert pool: %.2f GiB on the host (%s)", pool.nbytes / 2**30,
                  "pinned" if pool.pinned else "pageable: " + (pool.note or "no CUDA device"))
-        host_experts = HostExperts(pool, layout, plan.cache_slots, plan.staging_slots)
+        host_experts = HostExperts(pool, layout, plan.cache_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts,
                   mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
                   hc_kernel=hc_kernel, speculative=speculative, draft_tokens=draft_tokens)

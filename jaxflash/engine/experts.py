@@ -2,11 +2,15 @@
 and the model computes from copies in VRAM. Each source is a pytree value that decoder layers take and
 return updated (see jaxflash.model.moe, "expert source"):
 
-  * CachedExperts (decode steps): a per-layer LRU cache of VRAM slots. The layer's routed ids are resolved
-    against it on the device (FFI resolve), only the misses are copied in (FFI gather), and the experts are
-    computed from their slots (on a GPU by the NVFP4 expert kernels, which read the slot records in place).
-  * StagedExperts (prefill chunks): the experts a chunk hits are copied into one staging area, `staging`
-    records at a time, and computed there (the tiled path); the decode cache is left as it is.
+  * CachedExperts: a per-layer LRU cache of VRAM slots. The layer's routed ids are resolved against it on
+    the device (FFI resolve), only the misses are copied in (FFI gather), and the experts are computed from
+    their slots (on a GPU by the NVFP4 expert kernels, which read the slot records in place).
+    A decode or verify step resolves all its rows' experts at once.
+  * ChunkExperts (prefill chunks): the same caches. A chunk may hit more distinct experts than there are
+    slots, so it goes through the cache in blocks of at most `slots` experts (those already cached first):
+    resolve the block, copy its misses in, compute its tiles from the slots (on a GPU by the grouped NVFP4
+    kernels). Each expert the chunk hits crosses PCIe at most once per chunk, experts already cached are read
+    in place, and after the chunk the cache holds what it used most recently, so decoding starts warm.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import jax.numpy as jnp
 from .. import ffi
 from ..model.base import Array, pytree_dataclass, static
 from ..kernels import nvfp4_experts
-from ..model.moe import NVFP4, Experts, MoE, experts_gather, tiled_with_fetch
+from ..kernels import nvfp4_grouped
+from ..model.moe import GROUP_TILE, NVFP4, Experts, MoE, expert_tiles, experts_gather, plan_tiles, take_experts
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,10 +34,10 @@ class HostExperts:
 
     pool: Any  # ffi.ExpertPool, pool layer i = decoder layer i
     layout: Any  # ffi.ExpertLayout
-    slots: int  # cache slots per layer (decode)
-    staging: int  # records staged at once (prefill)
+    slots: int  # cache slots per layer
     gather_mode: str = "auto"
-    kernel: bool | None = None  # compute decode experts with the NVFP4 kernels (None: for NVFP4 on a GPU)
+    kernel: bool | None = None  # compute experts with the NVFP4 kernels, decode's and prefill's grouped ones
+    # (None: where they apply, NVFP4 on a GPU)
     route: str = "auto"  # the kernels' route (nvfp4_experts.ROUTES)
 
     def use_kernel(self, x) -> bool:
@@ -99,33 +104,75 @@ class CachedExperts:
         return y, CachedExperts(_set(self.lru, layer, r.state), _set(self.slots, layer, slots),
                                 _set(self.status, layer, r.info), host)
 
-
-@pytree_dataclass
-class StagedExperts:
-    """The prefill staging area (uint8 [staging, record_bytes]), shared by the layers of a chunk in turn."""
-
-    area: Array
-    host: HostExperts = static()
-
-    @staticmethod
-    def empty(host: HostExperts) -> StagedExperts:
-        return StagedExperts(jnp.zeros((host.staging, host.layout.record_bytes), jnp.uint8), host)
-
-    def routed(self, layer: int, p: MoE, x: Array, ids: Array, w: Array, valid: Array):
+    def routed_in_blocks(self, layer: int, x: Array, ids: Array, w: Array, valid: Array):
+        """A prefill chunk's routed experts through the cache, `slots` distinct experts at a time (see the
+        module docstring). The status word kept is the first block's that reports an error, else the last's;
+        its n_miss and n_distinct count the whole chunk."""
         host = self.host
         ids = stand_in_ids(ids, valid)
-        n = host.staging
-        lane = jnp.arange(n)
+        num_experts, slots_n = host.num_experts, host.slots
+        plan = plan_tiles(ids, num_experts, GROUP_TILE)
+        xs = plan.sort_rows(x)
+        lru, cache = self.lru[layer], self.slots[layer]
+        present = plan.counts > 0
+        n_distinct = jnp.sum(present).astype(jnp.int32)
+        # The distinct experts, those already cached first (ascending ids within each group), then the last of
+        # them repeated: a block past the chunk's experts resolves that one again (a hit, nothing copied).
+        # Cached first, so that the first block reads them in place before later blocks evict them: a chunk
+        # copies only its experts that are not cached, and the next chunk finds this one's last block cached.
+        cached = ffi.lru_expert_slots(lru, slots_n, num_experts) >= 0
+        rank = jnp.where(present, jnp.where(cached, 0, 1), 2) * num_experts + jnp.arange(num_experts)
+        distinct = jnp.argsort(rank).astype(jnp.int32)
+        distinct = jnp.where(jnp.arange(num_experts) < n_distinct, distinct, distinct[n_distinct - 1])
+        block = min(slots_n, num_experts)
+        kernel = host.layout.kind == "nvfp4" and (host.kernel if host.kernel is not None else nvfp4_grouped.takes(x))
 
-        def fetch(area, ex, n_live):  # copy the `n_live` experts ex[:n_live] into the first lanes
-            misses = jnp.where((lane < n_live)[:, None], jnp.stack([ex, lane], axis=1), -1).astype(jnp.int32)
-            note = jnp.stack([n_live, n_live, 0, 0]).astype(jnp.int32)
+        def one_block(b, carry):
+            lru, cache, ys, info = carry
+            lane = b * block + jnp.arange(block)
+            ex = distinct[jnp.minimum(lane, num_experts - 1)]
+            with jax.named_scope("resolve"):
+                r = ffi.resolve(ex, lru, num_slots=slots_n, num_experts=num_experts)
             with jax.named_scope("gather"):
-                area = ffi.gather(misses, note, area, pool=host.pool, layer=layer, mode=host.gather_mode)
-            return area, records_as_experts(host.layout, area)
+                cache = ffi.gather(r.misses, r.info, cache, pool=host.pool, layer=layer, mode=host.gather_mode)
+            mine = lane < n_distinct  # this block's own experts (the repeats are the previous block's)
+            slot_of = jnp.full(num_experts, -1, jnp.int32).at[jnp.where(mine, ex, num_experts)].set(
+                r.slots, mode="drop")
+            tile_slot = jnp.where(plan.tile_expert >= 0, slot_of[jnp.maximum(plan.tile_expert, 0)], -1)
+            if kernel:
+                place, operands = nvfp4_experts.record_operands(host.layout, cache)
+                ys = nvfp4_grouped.grouped_experts(place, operands, xs, tile_slot, GROUP_TILE, y0=ys)
+            else:  # the kernels' twin: every tile through its slot's expert, this block's tiles kept
+                we = take_experts(records_as_experts(host.layout, cache), jnp.maximum(tile_slot, 0))
+                yt = expert_tiles(we, xs.reshape(-1, GROUP_TILE, x.shape[-1])).reshape(ys.shape)
+                ys = jnp.where(jnp.repeat(tile_slot >= 0, GROUP_TILE)[:, None], yt, ys)
+            misses = info[0] + r.info[0]
+            info = jnp.where(info[2] != 0, info, r.info).at[0].set(misses)
+            return r.state, cache, ys, info
 
-        y, area = tiled_with_fetch(fetch, self.area, x, ids, w, host.num_experts, tiles_per_step=n)
-        return y, StagedExperts(area, host)
+        # A loop, not unrolled blocks: the slots are updated in place by each block's gather after the previous
+        # block's kernels read them, and across unrolled blocks XLA kept the old contents by copying every
+        # layer's cache (19 GiB of temporaries at full size on the H200). Its trip count is data: only the
+        # blocks the chunk's distinct experts fill run.
+        n_blocks = (n_distinct + block - 1) // block
+        ys = jnp.zeros((plan.rows, x.shape[-1]), x.dtype)
+        lru, cache, ys, info = jax.lax.fori_loop(0, n_blocks, one_block, (lru, cache, ys, jnp.zeros(4, jnp.int32)))
+        info = info.at[1].set(n_distinct)
+        cached = CachedExperts(_set(self.lru, layer, lru), _set(self.slots, layer, cache),
+                               _set(self.status, layer, info), host)
+        return plan.combine(ys, w, x.shape[0]), cached
+
+
+@pytree_dataclass
+class ChunkExperts:
+    """A prefill chunk's expert source: the decode step's VRAM caches, gone through in blocks of experts
+    (CachedExperts.routed_in_blocks); the runner keeps `cache` afterwards."""
+
+    cache: CachedExperts
+
+    def routed(self, layer: int, p: MoE, x: Array, ids: Array, w: Array, valid: Array):
+        y, cache = self.cache.routed_in_blocks(layer, x, ids, w, valid)
+        return y, ChunkExperts(cache)
 
 
 def _set(items: tuple, i: int, value) -> tuple:

@@ -4,8 +4,8 @@ Rules (docs/engine.md, "Memory plan"): all routed experts in VRAM when they fit 
 else; otherwise all of them on the host, with the VRAM they would have used given to a per-layer LRU cache of
 expert slots (never a partial residency). The budget is the smaller of `vram_budget` and the memory the device
 reports free. The planner reserves, in order: the dense weights, a compute workspace, per-sequence state, the
-KV cache for `max_batch` sequences of `max_seq_len` tokens, the prefill staging area, and gives the rest to
-the cache.
+KV cache for `max_batch` sequences of `max_seq_len` tokens, and gives the rest to the cache (prefill chunks go
+through the same cache, a block of experts at a time: no separate staging area).
 Every decision is logged with its numbers; what cannot fit raises PlanError before anything is allocated.
 """
 
@@ -75,7 +75,6 @@ class Plan:
     page_size: int
     num_pages: int
     cache_slots: int  # per layer (0 when experts are on the device)
-    staging_slots: int  # experts staged at once by a host-residency prefill chunk
     prefill_chunk: int
     reserved: dict = field(default_factory=dict)  # what each part takes, bytes
     notes: list = field(default_factory=list)
@@ -120,18 +119,48 @@ def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
 
 
 def workspace_bytes(cfg: ModelConfig, chunk: int, max_seq_len: int, max_batch: int) -> int:
-    """Temporary memory of the compiled steps (an estimate with margin): the attention scores of a prefill chunk
-    over the whole context, its logits, its residual streams, and a decode step's gathered KV per sequence."""
-    scores = chunk * cfg.num_attention_heads * max_seq_len * 4 * 2
-    acts = chunk * (cfg.vocab_size * 4 + 16 * cfg.hc_hidden_size * 4)
+    """Temporary memory of the compiled steps (an estimate with margin), the largest of:
+      * a prefill chunk: its attention (at most ATTEND_Q_BLOCK queries against the whole context at once: the
+        blocked form's scores and QSA selection), its MoE tiles (rows of the (token, k) pairs padded per expert,
+        in, out and the activation), the residual streams and the rows of prompt scoring's logits;
+      * a decode step: each sequence's gathered KV."""
+    from ..model.attention import ATTEND_K_BLOCK, ATTEND_Q_BLOCK
+    from ..model.moe import GROUP_TILE
+    from .runner import SCORE_ROWS
+
+    q = min(chunk, ATTEND_Q_BLOCK)
+    kb = min(ATTEND_K_BLOCK, max_seq_len)
+    attn = (q * cfg.num_attention_heads * (max_seq_len if chunk <= ATTEND_Q_BLOCK else 2 * kb) * 4
+            + q * max_seq_len * 2 + 2 * max_seq_len * cfg.num_key_value_heads * cfg.head_dim * 4)
+    rows = chunk * cfg.num_experts_per_tok + cfg.num_experts * GROUP_TILE
+    moe = rows * (3 * cfg.hidden_size + 2 * cfg.moe_intermediate_size) * 2
+    acts = chunk * 16 * cfg.hc_hidden_size * 4 + min(chunk, SCORE_ROWS) * cfg.vocab_size * 4 * 2
     kv_gather = max_batch * max_seq_len * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
-    return int(1.25 * (scores + acts + kv_gather)) + 256 * MiB
+    return int(1.25 * max(attn + moe + acts, kv_gather)) + 256 * MiB
+
+
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # what choose_chunk picks from
+WORKSPACE_SHARE = 8  # a chosen chunk's workspace takes at most 1 / WORKSPACE_SHARE of the budget
+
+
+def choose_chunk(cfg: ModelConfig, max_seq_len: int, max_batch: int, budget: int) -> int:
+    """Prefill chunk tokens when none is given: the largest of PREFILL_CHUNKS (no longer than the context) whose
+    workspace fits 1 / WORKSPACE_SHARE of the budget. Larger chunks bring each expert a prompt hits over PCIe
+    once per chunk instead of once per smaller one; the workspace they need is taken from the expert cache."""
+    fits = [c for c in PREFILL_CHUNKS if c <= max_seq_len
+            and workspace_bytes(cfg, c, max_seq_len, max_batch) * WORKSPACE_SHARE <= budget]
+    return fits[0] if fits else min(PREFILL_CHUNKS[-1], max_seq_len)
+
+
+def _chunk_note(chunk: int, given: int | None, workspace: int) -> str:
+    why = "as given" if given else f"the largest whose workspace fits 1/{WORKSPACE_SHARE} of the budget"
+    return f"prefill chunks of {chunk} tokens ({why}; workspace {size(workspace)})"
 
 
 def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: int | None = None,
          free: int | None = None, free_note: str = "", max_batch: int = 8, max_seq_len: int | None = None,
-         cache_slots: int | None = None, prefill_chunk: int = 256, dtype_bytes: int = 2,
-         staging_slots: int = 32, rows_per_seq: int = 1) -> Plan:
+         cache_slots: int | None = None, prefill_chunk: int | None = None, dtype_bytes: int = 2,
+         rows_per_seq: int = 1) -> Plan:
     """Decide residency, cache slots, KV pages and max_seq_len (see the module docstring). rows_per_seq: token
     rows a decode step feeds per sequence (1 + the drafts of a speculative verify step)."""
     if residency not in RESIDENCIES:
@@ -162,10 +191,11 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
 
     def fixed(seq):  # everything but the experts / the cache
         seq = -(-seq // align) * align
+        chunk = prefill_chunk or choose_chunk(cfg, seq, max_batch, total)
         return {"dense weights": mb.dense + mb.ple_table_device,
-                "workspace": workspace_bytes(cfg, prefill_chunk, seq, max_batch),
+                "workspace": workspace_bytes(cfg, chunk, seq, max_batch),
                 "sequence state": max_batch * per_seq,
-                "KV cache": max_batch * seq * per_token}, seq
+                "KV cache": max_batch * seq * per_token}, seq, chunk
 
     def note(msg):
         log.info(msg)
@@ -173,14 +203,14 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
 
     want_device = residency == "device" or (residency == "auto" and cache_slots is None)
     if want_device:
-        res, seq = fixed(seq_wanted)
+        res, seq, chunk = fixed(seq_wanted)
         need = sum(res.values()) + mb.experts
         if need <= total:
             res["experts"] = mb.experts
             note(f"experts on the device: {size(mb.experts)} of experts + {size(need - mb.experts)} "
                  f"of the rest fit the {size(total)} budget")
-            return Plan("device", total, max_batch, seq, PAGE, max_batch * seq // PAGE, 0, 0, prefill_chunk,
-                        res, notes)
+            note(_chunk_note(chunk, prefill_chunk, res["workspace"]))
+            return Plan("device", total, max_batch, seq, PAGE, max_batch * seq // PAGE, 0, chunk, res, notes)
         if residency == "device":
             raise PlanError(f"expert_residency='device' needs {size(need)} ("
                             + ", ".join(f"{n} {size(v)}" for n, v in res.items())
@@ -193,11 +223,9 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     rows = max_batch * rows_per_seq
     min_slots = min(E, rows * k)  # a decode (or verify) step may route its rows to rows * k distinct experts
     good_slots = min(E, max(min_slots, 3 * k))  # below ~3 x top_k slots an LRU cache retains nothing
-    staging = min(staging_slots, E)
     seq = seq_wanted
     while True:
-        res, seq = fixed(seq)
-        res["prefill staging"] = staging * mb.record_bytes
+        res, seq, chunk = fixed(seq)
         left = total - sum(res.values())
         fit = max(0, left // (L * mb.record_bytes))
         slots = min(E, fit) if cache_slots is None else cache_slots
@@ -222,8 +250,9 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         note(f"warning: {slots} cache slots/layer is below 3 x top_k = {3 * k}; expect few cache hits")
     res["expert cache"] = slots * L * mb.record_bytes
     note(f"expert cache: {slots} slots/layer x {L} layers x {mb.record_bytes / MiB:.2f} MiB = "
-         f"{size(res['expert cache'])} ({slots / E:.0%} of the experts); prefill stages {staging} "
-         f"experts at a time ({res['prefill staging'] / MiB:.0f} MiB)")
+         f"{size(res['expert cache'])} ({slots / E:.0%} of the experts); prefill chunks go through it "
+         f"{min(slots, E)} experts at a time")
     note(f"KV cache: {max_batch} x {seq} tokens = {size(res['KV cache'])}")
-    return Plan("host", total, max_batch, seq, PAGE, max_batch * seq // PAGE, slots, staging, prefill_chunk,
+    note(_chunk_note(chunk, prefill_chunk, res["workspace"]))
+    return Plan("host", total, max_batch, seq, PAGE, max_batch * seq // PAGE, slots, chunk,
                 res, notes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from ..model.moe import ResidentExperts
 from ..model.transformer import LayerState, Params, commit_layers, final_logits, forward_layers, init_layer_state
 from . import program_store
 from . import speculative as spec_mod
-from .experts import CachedExperts, HostExperts, StagedExperts
+from .experts import CachedExperts, ChunkExperts, HostExperts
 from .sampling import SamplingRows, sample, verify
 from .speculative import SpecState
 
@@ -63,8 +64,7 @@ class SeqState:
 class DecodeState:
     seqs: SeqState
     layers: tuple  # LayerState per decoder layer: GDN rows per slot, attention pages shared through page_table
-    experts: CachedExperts | None  # host residency: the VRAM expert caches used by decode steps
-    staging: StagedExperts | None  # host residency: the staging area used by prefill chunks
+    experts: CachedExperts | None  # host residency: the VRAM expert caches (decode steps and prefill chunks)
     mtp: LayerState | None  # the MTP layer's KV pages (same page table), when the model has an MTP head
     sampling: SamplingRows
     active: Array  # [B] bool: decoding
@@ -139,10 +139,9 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
     ctx = jnp.full((b, cfg.ngram_size - 1), cfg.eos_token_id, jnp.int32) if setup.table is not None else None
     seqs = SeqState(lengths=jnp.zeros(b, jnp.int32),
                     page_table=jnp.full((b, setup.max_pages), setup.num_pages, jnp.int32), ple_context=ctx)
-    experts = staging = None
+    experts = None
     if setup.host is not None:
         experts = CachedExperts.empty(setup.host, cfg.num_hidden_layers)
-        staging = StagedExperts.empty(setup.host)
     mtp = None
     if setup.mtp:
         mtp = init_layer_state(params.mtp.layer, cfg, b, setup.dtype, setup.num_pages, setup.page_size)
@@ -150,7 +149,7 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
     if setup.draft_tokens:
         width = spec_mod.history_width(setup.max_seq_len, setup.chunk, setup.draft_tokens)
         spec = SpecState.empty(b, width if setup.speculative == "ngram" else 0, setup.draft_tokens)
-    return DecodeState(seqs, layers, experts, staging, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
+    return DecodeState(seqs, layers, experts, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
                        jnp.zeros(b, jnp.int32), spec)
 
 
@@ -186,13 +185,16 @@ class StepOutput:
     draft_logits: Array | None  # Want.logits with an MTP head: [B, V] / [V]; verify, MTP drafts: [B, K, V]
     prompt_logprobs: LogProbs | None  # Want.score: [C] for the given next tokens of a prefill chunk
     ple_status: Array | None  # int32[2]: the PLE host step's status words (PLE models)
-    cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (decode, host residency)
-    expert_misses: Array | None  # int32: experts copied into the VRAM caches by this step (decode, host residency)
+    cache_status: Array | None  # int32[L, 4]: each layer's resolve status words (host residency)
+    expert_misses: Array | None  # int32: experts copied into the VRAM caches by this program (host residency)
     expert_lookups: Array | None  # int32: distinct (layer, expert) uses looked up in them; both None without
     # host experts (constant outputs cost a copy and a transfer each per step)
     accepted: Array | None = None  # verify [B] int32: the drafts each row kept
     n_draft: Array | None = None  # verify [B] int32: the drafts each row fed
     proposed: Array | None = None  # speculation: [B] / prefill [] int32: the drafts proposed for the next step
+
+
+SCORE_ROWS = 256  # prompt scoring computes the logits of (at most) this many chunk rows at a time
 
 
 def logprobs_of(logits: Array, tokens: Array) -> LogProbs:
@@ -235,10 +237,13 @@ def _span_table(setup: Setup, page_table: Array, span: int | None) -> Array:
     return page_table if span is None else page_table[:, : span // setup.page_size]
 
 
-def _step_experts(setup: Setup, st: DecodeState):
-    """The routed experts' source of a decode or verify step: the VRAM caches, or the resident experts."""
+def _step_experts(setup: Setup, st: DecodeState, decode: bool = True):
+    """The routed experts' source of a decode or verify step (or a prefill chunk): the VRAM caches, or the
+    resident experts (a prefill chunk takes the default paths: expert_kernel names the decode kernels)."""
     if setup.host is not None:
-        return st.experts
+        return st.experts if decode else ChunkExperts(st.experts)
+    if not decode:
+        return ResidentExperts()
     use, route = nvfp4_experts.expert_kernel_choice(setup.expert_kernel)
     return ResidentExperts({None: "auto", True: "kernel", False: "gather"}[use], route)
 
@@ -434,10 +439,12 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     seq = _row(st.seqs, slot)
     batch = TokenBatch.after(seq.lengths, n[None], tokens.shape[0], seq.page_table)
     rows, context, ple_status = _ple_rows(setup, tokens[None], seq.ple_context, n[None])
-    experts = st.staging if setup.host is not None else ResidentExperts()
+    experts = _step_experts(setup, st, decode=False)
     states = _per_slot(lambda t: _row(t, slot), st.layers)
     h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids)
     layers = _per_slot(lambda t, r: _set_row(t, slot, r), st.layers, states)
+    experts = experts.cache if setup.host is not None else None
+    status, misses, lookups = _cache_counts(experts)
     h_last = h[0, n - 1]
     logits = final_logits(params, cfg, h_last)
     with jax.named_scope("sampling"):
@@ -450,8 +457,11 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
         draft_logits = mtp_mod.mtp_logits(params, cfg, hm[0, n - 1])
         drafts = spec_mod.greedy(draft_logits)
     prompt_lp = None
-    if want.score:
-        prompt_lp = logprobs_of(final_logits(params, cfg, h[0]), targets)
+    if want.score:  # in blocks of rows: a chunk's whole [C, V] logits would be gigabytes at full size
+        rows_lp = math.gcd(SCORE_ROWS, tokens.shape[0])
+        blocks = jax.lax.map(lambda a: logprobs_of(final_logits(params, cfg, a[0]), a[1]),
+                             (h[0].reshape(-1, rows_lp, h.shape[-1]), targets.reshape(-1, rows_lp)))
+        prompt_lp = jax.tree.map(lambda a: a.reshape(tokens.shape[0], *a.shape[2:]), blocks)
     seqs = _set_row(st.seqs, slot, SeqState(seq.lengths + n, seq.page_table, context))
     spec = st.spec
     if setup.speculative == "mtp":  # after the last chunk, the first verify step's drafts (mtp_chain)
@@ -468,14 +478,14 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
                                     _capacity(setup, seq.page_table), last[None])
         spec = _set_row(spec, slot, row)
     st = dataclasses.replace(
-        st, seqs=seqs, layers=layers, staging=experts if setup.host is not None else None, mtp=mtp,
+        st, seqs=seqs, layers=layers, experts=experts, mtp=mtp,
         active=st.active.at[slot].set(last | st.active[slot]),
         last_token=st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot])), spec=spec)
     out = StepOutput(tokens=token, drafts=drafts, logprobs=logprobs_of(logits, token) if want.logprobs else None,
                      logits=logits if want.logits else None,
                      draft_logits=draft_logits if want.logits else None, prompt_logprobs=prompt_lp,
-                     ple_status=ple_status, cache_status=None, expert_misses=None,
-                     expert_lookups=None, proposed=None if spec is None else spec.n_draft[slot])
+                     ple_status=ple_status, cache_status=status, expert_misses=misses,
+                     expert_lookups=lookups, proposed=None if spec is None else spec.n_draft[slot])
     return st, out
 
 
@@ -529,7 +539,9 @@ class Runner:
         self._state: list | None = None  # allocated on the first call
 
     def reset(self) -> None:
-        """A fresh state: every slot free, the expert caches empty (also after a failure lost the donated one)."""
+        """A fresh state: every slot free, the expert caches empty (also after a failure lost the donated one).
+        The old state goes first, so the two are never held at once."""
+        self._state = None
         self._state = jax.tree.leaves(init_state(self.params, self.setup))
 
     def allocate(self) -> None:
@@ -573,14 +585,17 @@ class Runner:
     def _key(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None) -> tuple:
         """Programs are named by (name, Want, rows, span): admit and release have no Want; the model's programs
         default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all) and
-        attends to the first `span` positions (a context bucket, a multiple of the page size; None: all)."""
+        attends to the first `span` positions (a context bucket, a multiple of the page size; None: all); a
+        prefill chunk holds `rows` tokens (default, and None: the setup's chunk; fewer for short prompts)."""
         if name not in ("admit", "release", "decode", "prefill", "verify"):
             raise ValueError(f"no program {name!r}")
         if name in ("admit", "release"):
             return name, None, None, None
-        if name == "prefill":
-            return name, want or Want(), None, None
         s = self.setup
+        if name == "prefill":
+            if rows is not None and not 1 <= rows <= s.chunk:
+                raise ValueError(f"a prefill chunk of {rows} tokens; this runner's chunks hold up to {s.chunk}")
+            return name, want or Want(), None if rows == s.chunk else rows, None
         rows = rows or s.max_batch
         if not 1 <= rows <= s.max_batch:
             raise ValueError(f"a decode bucket of {rows} rows; this runner has {s.max_batch} slots")
@@ -682,9 +697,10 @@ class Runner:
         if name == "release":
             return (scalar,)
         if name == "prefill":
-            chunk = jax.ShapeDtypeStruct((s.chunk,), i32)
+            width = rows or s.chunk
+            chunk = jax.ShapeDtypeStruct((width,), i32)
             return (scalar, chunk, scalar, jax.ShapeDtypeStruct((), bool), jax.ShapeDtypeStruct((words,), i32),
-                    scalar, chunk if want.score else None, ids(s.chunk))
+                    scalar, chunk if want.score else None, ids(width))
         if name == "verify":
             return jax.ShapeDtypeStruct((rows,), i32), ids(rows * (s.draft_tokens + 1))
         return (jax.ShapeDtypeStruct((rows, words), i32) if want.masks else None, ids(rows))
@@ -704,14 +720,15 @@ class Runner:
 
     def prefill(self, slot: int, tokens: np.ndarray, n: int, last: bool, mask: np.ndarray, follow: int,
                 want: Want = Want(), targets: np.ndarray | None = None) -> Pending:
-        """Dispatch a prefill chunk (tokens [chunk], the first n real); see prefill_chunk."""
+        """Dispatch a prefill chunk (tokens [C], the first n real; C the setup's chunk or a shorter bucket, each
+        its own program); see prefill_chunk."""
         if want.score != (targets is not None):
             raise ValueError("prefill: pass targets exactly when the program is built with Want(score=True)")
         routing = self.setup.routing
         ids = None if routing is None else jnp.asarray(routing.prefill_ids(slot, n, len(tokens)), jnp.int32)
         out = self._call("prefill", want, jnp.int32(slot), jnp.asarray(tokens, jnp.int32), jnp.int32(n),
                          jnp.asarray(last, bool), jnp.asarray(mask, jnp.int32), jnp.int32(follow),
-                         None if targets is None else jnp.asarray(targets, jnp.int32), ids)
+                         None if targets is None else jnp.asarray(targets, jnp.int32), ids, rows=len(tokens))
         return Pending(out, self)
 
     def decode(self, want: Want = Want(), masks: np.ndarray | None = None, rows: int | None = None,
@@ -744,6 +761,15 @@ class Runner:
                      span: int | None = None) -> str:
         """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
         return self._program(name, want, rows, span).as_text()
+
+    def temp_bytes(self, name: str, want: Want | None = None, rows: int | None = None,
+                   span: int | None = None) -> int | None:
+        """Bytes of temporaries XLA assigned a compiled program (None where the backend does not say): what
+        the planner's workspace must hold."""
+        try:
+            return int(self._program(name, want, rows, span).memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 -- backends without a memory analysis
+            return None
 
     @property
     def programs_built(self) -> int:

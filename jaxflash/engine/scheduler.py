@@ -4,7 +4,10 @@ Up to `max_batch` sequences run at once, one per batch slot. A request is admitt
 pages for its prompt plus its token allowance are free (pages are reserved up front, so a running sequence
 never runs out of cache); its prompt is prefilled in chunks; then it joins the batched decode steps until a
 stop token, its max_new_tokens, the context end, its grammar's end, or cancellation. Requests can be
-submitted and cancelled between any two steps (`step()`: one admission at most, then one decode step).
+submitted and cancelled between any two steps. A `step()` admits a request when none is being prefilled,
+dispatches the next prefill chunk of the one being prefilled (one chunk per step, so a long prompt does not
+stall the running streams for its whole prefill: they get a decode step between any two of its chunks), then
+one decode step for the running requests.
 
 Decode is overlapped: `step()` dispatches decode step n+1 and only then reads step n's tokens, so the host's
 work (reading tokens, stop rules, events, the caller's own work between steps) runs while the device computes.
@@ -26,6 +29,7 @@ verify step that resumes speculation feeds none and drafts for the one after it.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -38,12 +42,15 @@ import numpy as np
 from .runner import Pending, Runner, StepOutput, Want
 from .sampling import SamplingParams, SamplingRows
 
+log = logging.getLogger(__name__)
+
 # The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
 PLAIN, RICH = Want(), Want(logprobs=True, masks=True)
 VERIFY_RICH = Want(logprobs=True)  # verify steps take no grammar masks (such requests decode plainly)
 # The short context bucket: while every running sequence is shorter, decode steps attend to this many positions
 # instead of the whole context (an engine planned for 32768 tokens serving a short chat reads an eighth).
 SHORT_SPAN = 4096
+SHORT_CHUNK = 256  # the prefill bucket of short prompts (and of long ones' last pieces)
 
 
 def context_spans(max_seq_len: int, page_size: int) -> list[int]:
@@ -248,6 +255,10 @@ class Scheduler:
         # request's new token (attention reads every position of its span, whatever the sequences' lengths)
         self.spans = context_spans(self.max_seq_len, plan.page_size)
         self.chunk = plan.prefill_chunk
+        # prefill buckets: a prompt's last piece (a short prompt's only one) takes the smallest that holds it,
+        # so that a 67-token prompt does not compute a chunk of thousands of rows (plain prefills; with
+        # logprobs or scoring, the whole chunk)
+        self.prefill_buckets = sorted({min(SHORT_CHUNK, self.chunk), self.chunk})
         self.k = runner.setup.draft_tokens  # speculative decoding: drafts per verify step (0: off)
         # MTP drafts: the head's chained drafts write K - 1 positions past the sequence's new last token
         self.chain = self.k - 1 if runner.setup.speculative == "mtp" else 0
@@ -260,7 +271,9 @@ class Scheduler:
         self.spec_prior = [1.0] * self.k
         self._last_result = (0, 0.0)  # (programs compiled, time) when the latest decode step's result was read
         self.pending: deque[Request] = deque()
-        self.running: list[Request] = []  # admitted and not finished
+        self.running: list[Request] = []  # decoding (prefilled) and not finished
+        self.prefilling: Request | None = None  # admitted, its prompt's chunks not all dispatched yet
+        self._chunks_left: Iterator | None = None  # its chunks still to dispatch (see _prefill)
         self._in_flight: deque[_Flight] = deque()
         self._reset_slots()
 
@@ -271,7 +284,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.pending and not self.running and not self._in_flight
+        return not self.pending and not self.running and self.prefilling is None and not self._in_flight
 
     def compile_counts(self) -> dict[str, int]:
         return self.runner.compile_counts()
@@ -279,7 +292,7 @@ class Scheduler:
     def programs(self, serving: bool = True) -> list:
         """The programs plain generation of one request runs, or (serving) all that step() and its helpers may
         run: every decode bucket (batch size x context), plain and rich."""
-        base = [("admit", None), ("release", None), ("prefill", Want())]
+        base = [("admit", None), ("release", None)] + [("prefill", Want(), b) for b in self.prefill_buckets]
         if not serving:
             return base + [(name, PLAIN, 1, span) for span in self.spans
                            for name in ("decode",) + (("verify",) if self.k else ())]
@@ -293,9 +306,22 @@ class Scheduler:
         """Compile the programs serving (or plain generation) uses, side by side, and allocate the state (KV
         cache, expert caches; 0.6 s of op-by-op work for the bundled model on the CPU, which the first request
         paid before); returns each program's seconds."""
-        seconds = self.runner.compile(self.programs(serving))
+        programs = self.programs(serving)
+        seconds = self.runner.compile(programs)
+        self._check_workspace(programs)
         self.runner.allocate()
         return seconds
+
+    def _check_workspace(self, programs) -> None:
+        """Warn when a compiled program's temporaries exceed the workspace the planner reserved for them: the
+        planner's figure is an estimate, and past it the expert cache and the temporaries may not both fit."""
+        planned = self.plan.reserved.get("workspace")
+        temps = [(t, p) for p in programs if (t := self.runner.temp_bytes(*p)) is not None]
+        t, p = max(temps, key=lambda tp: tp[0], default=(0, None))
+        if planned and t > planned:
+            log.warning("program %s needs %.2f GiB of temporaries, more than the %.2f GiB workspace the planner "
+                        "reserved: lower prefill_chunk or vram_budget if the device runs out of memory", p[0],
+                        t / 2**30, planned / 2**30)
 
     # ----- requests ---------------------------------------------------------------------------------------------
     def pages_for(self, req: Request) -> int:
@@ -344,6 +370,8 @@ class Scheduler:
         self._free(req)
         if req in self.running:
             self.running.remove(req)
+        if req is self.prefilling:
+            self.prefilling, self._chunks_left = None, None
         return Event(req, None)
 
     def _mask_row(self, req: Request) -> np.ndarray:
@@ -354,12 +382,14 @@ class Scheduler:
         return row
 
     # ----- prefill ----------------------------------------------------------------------------------------------
-    def _chunks(self, tokens: Sequence[int], after: int = 0):
-        """(start, piece, padded buffer, last?, the token after the piece) per prefill chunk."""
+    def _chunks(self, tokens: Sequence[int], after: int = 0, buckets: Sequence[int] | None = None):
+        """(start, piece, padded buffer, last?, the token after the piece) per prefill chunk; each buffer is the
+        smallest of `buckets` (default: the chunk alone) that holds its piece."""
         c = self.chunk
+        buckets = buckets or [c]
         for start in range(0, len(tokens), c):
             piece = tokens[start : start + c]
-            buf = np.zeros(c, np.int32)
+            buf = np.zeros(next(b for b in buckets if b >= len(piece)), np.int32)
             buf[: len(piece)] = piece
             end = start + len(piece)
             yield start, piece, buf, end >= len(tokens), tokens[end] if end < len(tokens) else after
@@ -381,18 +411,19 @@ class Scheduler:
                                                    zip(lp.top_ids[i, :n_top], lp.top[i, :n_top])]))
         req.prompt_logprobs = out
 
-    def _prefill(self, req: Request) -> _Flight:
-        """Dispatch the prompt's chunks; the last samples the first token (read when the flight is processed)."""
+    def _prefill(self, req: Request) -> Iterator[tuple[Pending, bool]]:
+        """Dispatch the prompt's chunks, one per next() (yielding each output and whether it was the last); the
+        last samples the first token (read when its flight is processed). Prompt scoring (echo) runs first, at
+        once."""
         tokens = req.prompt
         if req.echo_logprobs is not None:
             self._score_prompt(req)
             tokens = req.prompt[-1:]
         mask = self._mask_row(req)
         want = Want(logprobs=req.logprobs is not None)
-        for _, piece, buf, last, follow in self._chunks(tokens):
-            pending = self.runner.prefill(req.slot, buf, len(piece), last, mask, follow, want)
-        self.stats.prompt_tokens += len(req.prompt)
-        return _Flight(pending, (), first_of=req)
+        for _, piece, buf, last, follow in self._chunks(tokens, buckets=self.prefill_buckets if want == Want()
+                                                        else None):
+            yield self.runner.prefill(req.slot, buf, len(piece), last, mask, follow, want), last
 
     def _admit_next(self) -> list[Event]:
         req = self.pending.popleft()
@@ -402,32 +433,52 @@ class Scheduler:
                 self._score_prompt(req)
                 self.stats.prompt_tokens += len(req.prompt)
                 return [self._end(req, "length")]
-            flight = self._prefill(req)
         except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
             req.error = f"{type(e).__name__}: {e}"
             return [self._end(req, "error")] + self._recover()
-        self.running.append(req)
-        self._in_flight.append(flight)
+        self.prefilling, self._chunks_left = req, self._prefill(req)
+        return []
+
+    def _prefill_next(self) -> list[Event]:
+        """Dispatch the next chunk of the request being prefilled; after its last, it decodes."""
+        req = self.prefilling
+        try:
+            pending, last = next(self._chunks_left)
+        except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
+            req.error = f"{type(e).__name__}: {e}"
+            return [self._end(req, "error")] + self._recover()
+        if last:
+            self.prefilling, self._chunks_left = None, None
+            self.stats.prompt_tokens += len(req.prompt)
+            self.running.append(req)
+            self._in_flight.append(_Flight(pending, (), first_of=req))
         return []
 
     # ----- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Admit the next waiting request if it fits, dispatch one decode step for every running request, then
-        read what earlier steps produced. One admission per step: a burst of arrivals does not stall the running
-        sequences for all of its prefills at once."""
+        """Admit the next waiting request if it fits and none is being prefilled, dispatch the next chunk of the
+        one being prefilled, then one decode step for every running request; then read what earlier steps
+        produced. One prefill chunk per step: a burst of arrivals or a long prompt does not stall the running
+        sequences for whole prefills."""
         events: list[Event] = []
-        if self.pending and self.free_slots and self.pages_for(self.pending[0]) <= len(self.free_pages):
+        if (self.prefilling is None and self.pending and self.free_slots
+                and self.pages_for(self.pending[0]) <= len(self.free_pages)):
             events += self._admit_next()
+        chunk = self.prefilling is not None
+        if chunk:
+            events += self._prefill_next()
         overlap = not any(r.constraint is not None for r in self.running)
         if not overlap:  # each grammar mask depends on the token before it
             events += self._drain()
-        dispatched = bool(self.running) and self._dispatch_decode(events)
+        dispatched = bool(self.running) and self._dispatch_decode(events, timed=not chunk)
         keep = 1 if dispatched and overlap else 0
         while len(self._in_flight) > keep:
             events += self._process(self._in_flight.popleft())
         return events
 
-    def _dispatch_decode(self, events: list) -> bool:
+    def _dispatch_decode(self, events: list, timed: bool = True) -> bool:
+        """timed: no prefill chunk was dispatched since the last decode step (StepCosts times the intervals
+        between decode steps run back to back)."""
         rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
         top = max(r.slot for r in self.running) + 1
         rows = next(b for b in self.buckets if b >= top)
@@ -456,7 +507,7 @@ class Scheduler:
             return False
         for r in self.running:
             r.decoded += fed  # corrected by what the step kept, once it is read
-        back_to_back = bool(self._in_flight) and self._in_flight[-1].first_of is None
+        back_to_back = timed and bool(self._in_flight) and self._in_flight[-1].first_of is None
         self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), fed=fed,
                                        cost_key=(rows, int(caps.max())) if back_to_back else None))
         return True
@@ -552,7 +603,7 @@ class Scheduler:
         if not self.runner.state_lost():
             return []
         events = []
-        for r in list(self.running):
+        for r in list(self.running) + ([self.prefilling] if self.prefilling is not None else []):
             r.error = r.error or "the engine state was lost by a failed step"
             events.append(self._end(r, "error"))
         self._in_flight.clear()

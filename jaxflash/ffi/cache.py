@@ -68,6 +68,13 @@ def lru_state_fields(state, num_slots: int, num_experts: int) -> dict[str, np.nd
     }
 
 
+def lru_expert_slots(state: jax.Array, num_slots: int, num_experts: int) -> jax.Array:
+    """The slot of each expert (int32 [E], -1: not cached) from one layer's state, as a traced array: the
+    expert_slot field, for code that orders its work by what is cached."""
+    start = HEADER + 2 * num_slots
+    return jax.lax.slice_in_dim(state, start, start + num_experts, axis=-1)
+
+
 def cache_init(num_slots: int, record_bytes: int, num_layers: int | None = None) -> jax.Array:
     """An empty VRAM cache (uint8 [S, R], or [L, S, R] stacked) on JAX's default device."""
     shape = (num_slots, record_bytes) if num_layers is None else (num_layers, num_slots, record_bytes)

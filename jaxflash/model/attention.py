@@ -1,5 +1,10 @@
 """Gated full attention with the QSA indexer (docs/model.md §8, §9): GQA, partial RoPE, q/k norms and a
-sigmoid output gate per (head, dim), over a paged KV cache."""
+sigmoid output gate per (head, dim), over a paged KV cache.
+
+Steps of at most ATTEND_Q_BLOCK new tokens per sequence (decode, speculative verify: inside CUDA graphs, which
+capture no while loops) score all their queries against the whole cache at once (`attend`). Longer prefill
+chunks run `attend_blocked`: query blocks against key blocks with an online softmax, skipping the key blocks
+past the block's last position, so that the scores never exceed [n_heads, q_block, k_block]."""
 
 from __future__ import annotations
 
@@ -35,6 +40,77 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     w = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("kgts,skd->tkgd", w, v.astype(w.dtype), precision=lax.Precision.HIGHEST)
     return o.reshape(t, nh, d).astype(q.dtype)
+
+
+# The blocked form's sizes (attention() picks it when T > the query block): on the GPU each key block is two
+# batched matmuls of [n_kv, g * q_block, d] x [d, k_block]; at 24 heads the scores are 100 MB per sequence.
+# On the H200 (full preset, QSA, bf16 cache of 65536 rows) a chunk of 8192 tokens at the end of the context takes
+# 438 ms in 0.8 GiB of temporaries (512 x 1024: 464 ms; 1024 x 2048: 369 ms, but T up to 1024 would then keep
+# the unblocked [T, S] scores, 12 GiB); 32 unblocked chunks of 256 take 400 ms in 3 GiB at any context length.
+ATTEND_Q_BLOCK = 512
+ATTEND_K_BLOCK = 2048
+
+
+def attend_blocked(q: Array, k: Array, v: Array, pos: Array, valid: Array | None = None, select=None,
+                   select_args: tuple = (), *, q_block: int = ATTEND_Q_BLOCK, k_block: int = ATTEND_K_BLOCK) -> Array:
+    """`attend` with the mask (pos[t] >= s) & select(...) for queries at positions pos [T] (int32), computed over
+    blocks of q_block queries and min(k_block, S) keys with an online softmax (running max and sum per row).
+
+    select(pos_block [q_block], *args_block) -> [q_block, S] bool narrows the causal mask for one query block;
+    select_args are per-query arrays [T, ...] that it receives sliced to the block (rows past T are zeros at
+    position -1). Key blocks past the block's last valid position (valid [T], default all) are not computed.
+    A row that sees no key returns 0; invalid rows may see fewer keys than their position allows.
+
+    Memory per call (outside the output): the scores and weights, 2 * n_heads * q_block * k_block floats, the
+    accumulator n_heads * q_block * (d + 2) floats, and what `select` makes for one query block; never [T, S]."""
+    t, nh, d = q.shape
+    n_keys, nkv = k.shape[:2]
+    g = nh // nkv
+    qb, kblk = q_block, min(k_block, n_keys)
+    n_qb, n_kb = -(-t // qb), -(-n_keys // kblk)
+    pad = n_qb * qb - t
+    valid = jnp.ones(t, bool) if valid is None else valid
+
+    def blocks(a, fill):  # [T, ...] -> [n_qb, q_block, ...], padding rows filled
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        return a.reshape(n_qb, qb, *a.shape[1:])
+
+    def query_block(xs):
+        q_b, pos_b, valid_b, args_b = xs
+        qg = up(q_b).reshape(qb, nkv, g, d)
+        sel = None if select is None else select(pos_b, *args_b)
+        # keys after the block's last real query are causal-masked for all its real rows: skip their blocks
+        last = jnp.max(jnp.where(valid_b, pos_b, -1))
+        trips = jnp.clip((last + kblk) // kblk, 0, n_kb).astype(jnp.int32)
+
+        def key_block(j, carry):
+            m, l, acc = carry  # running max [nkv, g, qb], sum [nkv, g, qb], weighted values [nkv, g, qb, d]
+            # the last block, when kblk does not divide S, starts early; its keys before j * kblk are masked
+            s0 = jnp.minimum(j * kblk, n_keys - kblk)
+            keys = s0 + jnp.arange(kblk)
+            k_j = lax.dynamic_slice_in_dim(k, s0, kblk).astype(qg.dtype)
+            v_j = lax.dynamic_slice_in_dim(v, s0, kblk).astype(qg.dtype)
+            s = jnp.einsum("tkgd,skd->kgts", qg, k_j, precision=lax.Precision.HIGHEST) * d ** -0.5
+            see = (pos_b[:, None] >= keys[None, :]) & (keys >= j * kblk)[None, :]
+            if sel is not None:
+                see &= lax.dynamic_slice_in_dim(sel, s0, kblk, axis=1)
+            s = jnp.where(see, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet: no -inf - -inf
+            scale = jnp.exp(m - m_use)
+            w = jnp.exp(s - m_use[..., None])
+            acc = acc * scale[..., None] + jnp.einsum("kgts,skd->kgtd", w, v_j, precision=lax.Precision.HIGHEST)
+            return m_new, l * scale + jnp.sum(w, axis=-1), acc
+
+        f = qg.dtype
+        init = (jnp.full((nkv, g, qb), -jnp.inf, f), jnp.zeros((nkv, g, qb), f), jnp.zeros((nkv, g, qb, d), f))
+        _, l, acc = lax.fori_loop(jnp.int32(0), trips, key_block, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return o.transpose(2, 0, 1, 3).reshape(qb, nh, d)
+
+    xs = (blocks(q, 0), blocks(pos, -1), blocks(valid, False), tuple(blocks(a, 0) for a in select_args))
+    o = lax.map(query_block, xs)
+    return o.reshape(n_qb * qb, nh, d)[:t].astype(q.dtype)
 
 
 @pytree_dataclass
@@ -74,10 +150,18 @@ def read_pages(pages: Array, table_row: Array) -> Array:
     return got.reshape(-1, *pages.shape[2:])
 
 
-def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: PagedKV) -> tuple[Array, PagedKV]:
+def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: PagedKV, *,
+              q_block: int | None = None, k_block: int | None = None) -> tuple[Array, PagedKV]:
     """Attention for the new tokens x [B, T, H] of `batch`, after their keys and values join each sequence's
     pages. Returns ([B, T, H], updated cache). Each query sees every cached key at or before its position,
-    narrowed by QSA's block selection (blocks pooled from the cached raw indexer keys)."""
+    narrowed by QSA's block selection (blocks pooled from the cached raw indexer keys).
+
+    T <= q_block (default ATTEND_Q_BLOCK): `attend`, with [T, S] scores per head (S = the sequence's cache rows).
+    Longer: `attend_blocked` over q_block x k_block (default ATTEND_K_BLOCK) blocks, with QSA's selection made
+    per query block: per sequence, besides its gathered cache rows, 2 * n_heads * q_block * k_block score floats
+    and QSA's q_block * (indexer_n_heads * S / r floats + S bools), never [T, S]."""
+    q_block = ATTEND_Q_BLOCK if q_block is None else q_block
+    k_block = ATTEND_K_BLOCK if k_block is None else k_block
     b, t = x.shape[:2]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     positions, valid, page_table = batch.positions, batch.valid, batch.page_table
@@ -95,15 +179,21 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
         q_index, raw = jax.vmap(lambda xx, c, s: qsa.queries_and_raw_keys(p.indexer, cfg, xx, c, s))(x, cos, sin)
         kv = PagedKV(kv.k, kv.v, write_pages(kv.index_keys, page_table, positions, valid, raw))
 
-    def one(q_b, pos_b, row, qi_b):
+    def one(q_b, pos_b, valid_b, row, qi_b):
         keys, values = read_pages(kv.k, row), read_pages(kv.v, row)
         n_keys = keys.shape[0]
-        mask = pos_b[:, None] >= jnp.arange(n_keys)[None, :]
+        kb = None
         if qi_b is not None:
             kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_keys // cfg.indexer_compress_ratio)
+        if t > q_block:
+            select = None if kb is None else (lambda pos, qi: qsa.selection_mask(cfg, qi, kb, pos, n_keys))
+            return attend_blocked(q_b, keys, values, pos_b, valid_b, select, () if kb is None else (qi_b,),
+                                  q_block=q_block, k_block=k_block)
+        mask = pos_b[:, None] >= jnp.arange(n_keys)[None, :]
+        if kb is not None:
             mask &= qsa.selection_mask(cfg, qi_b, kb, pos_b, n_keys)
         return attend(q_b, keys, values, mask)
 
-    o = jax.vmap(one)(q, positions, page_table, q_index).reshape(b, t, nh * hd)
+    o = jax.vmap(one)(q, positions, valid, page_table, q_index).reshape(b, t, nh * hd)
     o = o * jax.nn.sigmoid(up(gate.reshape(b, t, nh * hd))).astype(o.dtype)
     return linear(o, p.o_proj), kv

@@ -6,8 +6,11 @@ the MTP head's experts in the NVFP4 checkpoint, dequantised when gathered). Ways
   * kernel: NVFP4 experts on a GPU at decode sizes: the Pallas kernels of jaxflash.kernels.nvfp4_experts read
     the 4-bit weights where they are; `experts_gather` is their twin.
   * gather: per (token, k) take that expert's weights. Cheap when tokens*top_k is small (decode).
-  * tiled: sort the (token, k) pairs by expert into tiles of one expert each; batched matmuls over tiles
-    (prefill; memory bounded at any length).
+  * grouped: NVFP4 experts on a GPU at prefill sizes: the (token, k) pairs sorted by expert into tiles of one
+    expert each, and the Pallas kernels of jaxflash.kernels.nvfp4_grouped multiply the tiles by the 4-bit
+    weights where they are; `expert_tiles` is their twin.
+  * tiled: the same tiles with the weights gathered (and dequantised) per tile; batched matmuls over tiles
+    (prefill elsewhere; memory bounded at any length).
   * ragged: lax.ragged_dot over all experts (fine on the CPU; XLA:GPU makes it a dense matmul).
 """
 
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..kernels import nvfp4_experts
+from ..kernels import nvfp4_experts, nvfp4_grouped
 from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, top_k, up
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
@@ -174,61 +177,97 @@ def experts_ragged(e: Experts, x: Array, idx: Array, w: Array) -> Array:
     return jnp.zeros((n, x.shape[-1]), f32).at[token].add(y)
 
 
-def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, tiles_per_step: int = 32) -> Array:
-    """The same sum as a grouped matmul over fixed-size tiles, with memory bounded by a few tiles' weights.
+@pytree_dataclass
+class TilePlan:
+    """A chunk's (token, choice) pairs sorted by expert, each expert's rows padded to whole tiles of `tile` rows,
+    so every tile belongs to one expert. a = N * k pairs; the tile count is the static bound
+    ceil(a / tile) + min(E, a), of which the first `live` hold pairs."""
 
-    The (token, k) pairs are sorted by expert and each expert's group is padded to whole tiles of `tile` rows,
-    so every tile belongs to one expert. Tiles are processed `tiles_per_step` at a time: gather (and
-    dequantise) those tiles' experts, one batched matmul per projection. Each expert's weights are read once
-    per tile it fills. (XLA lowers lax.ragged_dot on the GPU to a dense matmul over all experts' weights, which
-    does not fit at full size for long inputs; this path does.)
-    """
-    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
-    out, _ = tiled_with_fetch(lambda carry, ex, n_live: (carry, take_experts(e, ex)), None, x, idx, w,
-                              num_experts, tile, tiles_per_step)
-    return out
+    order: Array  # [a] the flat pair index of each sorted position
+    token: Array  # [a] its token
+    row: Array  # [a] its row among the tiles' rows
+    tile_expert: Array  # [n_tiles] int32, the expert of each tile (-1 past the live tiles)
+    counts: Array  # [E] pairs per expert
+    live: Array  # int32 scalar: tiles holding pairs
+    tile: int = static()
+
+    @property
+    def rows(self) -> int:
+        return self.tile_expert.shape[0] * self.tile
+
+    def sort_rows(self, x: Array) -> Array:
+        """The tiles' rows [n_tiles * tile, H]: each pair's token row, zeros in the padding."""
+        return jnp.zeros((self.rows, x.shape[-1]), x.dtype).at[self.row].set(x[self.token])
+
+    def combine(self, ys: Array, w: Array, n: int) -> Array:
+        """sum_j w[n, j] * y of pair (n, j), float32 [n, H], from the tiles' output rows ys."""
+        f32 = acc_dtype(ys.dtype)
+        y = ys[self.row].astype(f32) * w.reshape(-1)[self.order].astype(f32)[:, None]
+        return jnp.zeros((n, ys.shape[-1]), f32).at[self.token].add(y)
 
 
-def tiled_with_fetch(fetch, carry, x: Array, idx: Array, w: Array, num_experts: int, tile: int = 64,
-                     tiles_per_step: int = 32):
-    """experts_tiled with the weights of each step's tiles supplied by `fetch(carry, experts [S], n_live) ->
-    (carry, Experts with leading axis S)`; n_live = how many of the S tiles hold pairs (a prefix). The engine's
-    host-resident experts use this to stage only the experts a prefill chunk hits, S at a time.
-    Returns (output [N, H] float32, final carry)."""
-    dt, prec, f32 = x.dtype, precision_for(x.dtype), acc_dtype(x.dtype)
+def plan_tiles(idx: Array, num_experts: int, tile: int, pad_tiles_to: int = 1) -> TilePlan:
+    """Sort the pairs of idx [N, k] into tiles (see TilePlan); the tile count is rounded up to a multiple of
+    pad_tiles_to."""
     n, k = idx.shape
     a = n * k
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]
-    token = order // k
     counts = jnp.bincount(flat, length=num_experts)
     tiles_of = (counts + tile - 1) // tile
     tile_start = jnp.cumsum(tiles_of) - tiles_of  # first tile of each expert
     group_start = jnp.cumsum(counts) - counts
-    row = tile_start[expert] * tile + jnp.arange(a) - group_start[expert]  # padded row of each sorted pair
+    row = tile_start[expert] * tile + jnp.arange(a) - group_start[expert]
+    n_tiles = -(-(-(-a // tile) + min(num_experts, a)) // pad_tiles_to) * pad_tiles_to
+    live = jnp.sum(tiles_of).astype(jnp.int32)
+    t = jnp.arange(n_tiles)
+    tile_expert = jnp.clip(jnp.searchsorted(tile_start, t, side="right") - 1, 0, num_experts - 1)
+    tile_expert = jnp.where(t < live, tile_expert, -1).astype(jnp.int32)
+    return TilePlan(order, order // k, row, tile_expert, counts, live, tile)
 
-    max_tiles = -(-a // tile) + min(num_experts, a)  # static bound on the padded tile count
-    steps = -(-max_tiles // tiles_per_step)
-    n_tiles = steps * tiles_per_step
-    tile_expert = jnp.clip(jnp.searchsorted(tile_start, jnp.arange(n_tiles), side="right") - 1, 0, num_experts - 1)
-    live = jnp.clip(jnp.sum(tiles_of) - jnp.arange(steps) * tiles_per_step, 0, tiles_per_step).astype(jnp.int32)
-    xs = jnp.zeros((n_tiles * tile, x.shape[-1]), dt).at[row].set(x[token])
 
-    def step(carry, args):  # xt [S, tile, H] rows of S tiles, ex [S] their experts
-        xt, ex, n_live = args
-        carry, we = fetch(carry, ex, n_live)
-        gate, up, down = (as_dense(m, dt) for m in (we.gate, we.up, we.down))  # [S, I, H], [S, H, I]
-        g = jnp.einsum("sth,sih->sti", xt, gate, precision=prec, preferred_element_type=f32)
-        u = jnp.einsum("sth,sih->sti", xt, up, precision=prec, preferred_element_type=f32)
-        act = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
-        y = jnp.einsum("sti,shi->sth", act, down, precision=prec, preferred_element_type=f32).astype(dt)
-        return carry, y
+def expert_tiles(we: Experts, xt: Array) -> Array:
+    """Rows xt [S, tile, H] of S tiles through their experts we (leading axis S): [S, tile, H] in xt's dtype,
+    rounding where the model does (g, u, the activation, y). The jnp twin of the grouped NVFP4 kernels."""
+    dt, prec, f32 = xt.dtype, precision_for(xt.dtype), acc_dtype(xt.dtype)
+    gate, up, down = (as_dense(m, dt) for m in (we.gate, we.up, we.down))  # [S, I, H], [S, H, I]
+    g = jnp.einsum("sth,sih->sti", xt, gate, precision=prec, preferred_element_type=f32)
+    u = jnp.einsum("sth,sih->sti", xt, up, precision=prec, preferred_element_type=f32)
+    act = (silu(g.astype(dt).astype(f32)) * u.astype(dt)).astype(dt)
+    return jnp.einsum("sti,shi->sth", act, down, precision=prec, preferred_element_type=f32).astype(dt)
 
-    carry, ys = lax.scan(step, carry, (xs.reshape(steps, tiles_per_step, tile, -1),
-                                       tile_expert.reshape(steps, tiles_per_step), live))
-    ys = ys.reshape(n_tiles * tile, -1)[row].astype(f32) * w.reshape(-1)[order].astype(f32)[:, None]
-    return jnp.zeros((n, x.shape[-1]), f32).at[token].add(ys), carry
+
+def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, tiles_per_step: int = 32) -> Array:
+    """The same sum as a grouped matmul over plan_tiles' tiles, with memory bounded by a few tiles' weights:
+    `tiles_per_step` tiles at a time, gather (and dequantise) those tiles' experts, one batched matmul per
+    projection (expert_tiles). Each expert's weights are read once per tile it fills. (XLA lowers
+    lax.ragged_dot on the GPU to a dense matmul over all experts' weights, which does not fit at full size for
+    long inputs; this path does.)"""
+    num_experts = jax.tree.leaves(e.gate)[0].shape[0]
+    plan = plan_tiles(idx, num_experts, tile, tiles_per_step)
+    steps = plan.tile_expert.shape[0] // tiles_per_step
+    xs = plan.sort_rows(x).reshape(steps, tiles_per_step, tile, -1)
+    tile_expert = jnp.maximum(plan.tile_expert, 0).reshape(steps, tiles_per_step)  # past the live ones: any
+    _, ys = lax.scan(lambda c, a: (c, expert_tiles(take_experts(e, a[1]), a[0])), None, (xs, tile_expert))
+    return plan.combine(ys.reshape(plan.rows, -1), w, x.shape[0])
+
+
+# Rows per tile of the grouped NVFP4 kernels (a tensor-core dimension; a chunk of C tokens pads each expert's
+# C * k / E rows on average to whole tiles).
+GROUP_TILE = 64
+
+
+def experts_grouped(e: Experts, x: Array, idx: Array, w: Array, interpret: bool | None = None,
+                    tile: int = GROUP_TILE, tiles: nvfp4_grouped.GroupTiles = nvfp4_grouped.GroupTiles()) -> Array:
+    """experts_gather's sum by the grouped NVFP4 kernels (jaxflash.kernels.nvfp4_grouped) over tiles of one
+    expert each: the prefill path for resident NVFP4 experts on a GPU (interpret mode elsewhere)."""
+    num_experts = e.gate.packed.shape[0]
+    plan = plan_tiles(idx, num_experts, tile)
+    place, operands = nvfp4_experts.resident_operands(e)
+    ys = nvfp4_grouped.grouped_experts(place, operands, plan.sort_rows(x), plan.tile_expert, tile, tiles=tiles,
+                                       interpret=interpret)
+    return plan.combine(ys, w, x.shape[0])
 
 
 def experts_kernel(e: Experts, x: Array, idx: Array, w: Array, route: str = "auto") -> Array:
@@ -244,7 +283,8 @@ def kernel_applies(e: Experts, x: Array, route: str = "auto") -> bool:
     return nvfp4_experts.is_nvfp4(e.gate) and nvfp4_experts.takes(x, route)
 
 
-EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel}
+EXPERT_PATHS = {"gather": experts_gather, "ragged": experts_ragged, "tiled": experts_tiled, "kernel": experts_kernel,
+                "grouped": experts_grouped}
 
 
 @pytree_dataclass
@@ -265,8 +305,10 @@ class Routing:
 @pytree_dataclass
 class ResidentExperts:
     """Routed experts held in the parameters (every expert in device memory). impl: "kernel", "gather",
-    "tiled", "ragged", or "auto": while the tokens' expert uses are fewer than the experts, the kernel for NVFP4
-    experts on a GPU and gather otherwise; tiled beyond. route: the kernel's (nvfp4_experts.ROUTES)."""
+    "grouped", "tiled", "ragged", or "auto": while the tokens' expert uses are fewer than the experts, the kernel
+    for NVFP4 experts on a GPU and gather otherwise; beyond (prefill chunks), the grouped kernels for NVFP4
+    experts and bfloat16 tokens on a GPU and tiled otherwise. route: the decode kernel's
+    (nvfp4_experts.ROUTES)."""
 
     impl: str = static("auto")
     route: str = static("auto")
@@ -278,7 +320,10 @@ class ResidentExperts:
         impl = self.impl
         if impl == "auto":
             gathers = ids.size <= jax.tree.leaves(p.experts.gate)[0].shape[0]
-            impl = ("kernel" if kernel_applies(p.experts, x, self.route) else "gather") if gathers else "tiled"
+            if gathers:
+                impl = "kernel" if kernel_applies(p.experts, x, self.route) else "gather"
+            else:
+                impl = "grouped" if nvfp4_experts.is_nvfp4(p.experts.gate) and nvfp4_grouped.takes(x) else "tiled"
         if impl not in EXPERT_PATHS:
             raise ValueError(f"moe_impl must be one of {sorted(EXPERT_PATHS)} or 'auto', got {impl!r}")
         if impl == "kernel":
