@@ -219,7 +219,8 @@ def plan_tiles(idx: Array, num_experts: int, tile: int, pad_tiles_to: int = 1) -
     tile_start = jnp.cumsum(tiles_of) - tiles_of  # first tile of each expert
     group_start = jnp.cumsum(counts) - counts
     row = tile_start[expert] * tile + jnp.arange(a) - group_start[expert]
-    n_tiles = -(-(-(-a // tile) + min(num_experts, a)) // pad_tiles_to) * pad_tiles_to
+    bound = -(-a // tile) + min(num_experts, a)  # full tiles, plus a partial last tile per expert
+    n_tiles = -(-bound // pad_tiles_to) * pad_tiles_to
     live = jnp.sum(tiles_of).astype(jnp.int32)
     t = jnp.arange(n_tiles)
     tile_expert = jnp.clip(jnp.searchsorted(tile_start, t, side="right") - 1, 0, num_experts - 1)
