@@ -61,6 +61,9 @@ enum Counter : int {
   kCallCopyCuda,
   kCallNvfp4MoeCpu,
   kCallNvfp4MoeCuda,
+  kCallGatherStartCuda,
+  kCallGatherWaitCuda,
+  kCallGatherWaitCpu,
   kNumCounters,
 };
 extern std::atomic<int64_t> g_calls[kNumCounters];

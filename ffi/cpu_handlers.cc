@@ -54,6 +54,18 @@ ffi::Error GatherCpu(ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// The CPU backend runs calls in order: the copy (GatherCpu, registered as gather_start too) is already done, so
+// waiting only hands the buffers through.
+ffi::Error GatherWaitCpu(ffi::AnyBuffer cache_in, ffi::AnyBuffer after_in, ffi::AnyBuffer, ffi::AnyBuffer,
+                         ffi::Result<ffi::AnyBuffer> cache_out, ffi::Result<ffi::AnyBuffer> after_out) {
+  g_calls[kCallGatherWaitCpu].fetch_add(1, std::memory_order_relaxed);
+  if (cache_out->untyped_data() != cache_in.untyped_data())
+    std::memcpy(cache_out->untyped_data(), cache_in.untyped_data(), cache_in.size_bytes());
+  if (after_out->untyped_data() != after_in.untyped_data())
+    std::memcpy(after_out->untyped_data(), after_in.untyped_data(), after_in.size_bytes());
+  return ffi::Error::Success();
+}
+
 ffi::Error PleCpu(ffi::AnyBuffer tokens, ffi::AnyBuffer lengths, ffi::AnyBuffer reset, ffi::AnyBuffer ctx_in,
                   ffi::Result<ffi::AnyBuffer> ids, ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> info,
                   ffi::Result<ffi::AnyBuffer> ctx_out, int64_t table_id, int64_t eos, int64_t vocab,
@@ -115,6 +127,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherCpu, jaxflash::GatherCpu,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int64_t>("pool_id")
                                   .Attr<int64_t>("layer"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherWaitCpu, jaxflash::GatherWaitCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCpu, jaxflash::PleCpu,
                               xla::ffi::Ffi::Bind()

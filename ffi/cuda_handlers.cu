@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <mutex>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -409,6 +410,91 @@ ffi::Error GatherMemcpyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::Any
   return cuda_error("gather: memcpy");
 }
 
+// ----- gather beside the kernels (prefill blocks) ------------------------------------------------------------
+// A prefill chunk goes through the cache in blocks of experts (engine/experts.py). While block b's expert kernels
+// run on XLA's stream, block b+1's misses are copied in on a side stream. gather_start forks: the side stream
+// waits for everything XLA enqueued before it (resolve's miss list, the kernels that last read the victim slots),
+// then runs the zero-copy kernel. gather_wait joins: XLA's stream waits for all the side stream's work so far.
+// The side stream has the highest priority: the copy over PCIe is the longer of the two, so its blocks go first
+// whenever SMs free up. A fork must be joined within one stream capture, so neither call may be captured: neither
+// carries the command-buffer trait (prefill programs run their block loops outside CUDA graphs anyway).
+
+struct SideStream {
+  std::mutex mu;  // one fork or join at a time: the events are shared
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+constexpr int kMaxDevices = 64;
+
+ffi::ErrorOr<SideStream*> side_stream(cudaStream_t xla_stream) {
+  static SideStream sides[kMaxDevices];
+  int dev = 0;
+  if (cudaStreamGetDevice(xla_stream, &dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices)
+    return ffi::Unexpected(ffi::Error::Internal("gather_start: the stream's device is unknown"));
+  SideStream* side = &sides[dev];
+  std::lock_guard<std::mutex> lock(side->mu);
+  if (!side->stream) {
+    int prev = 0, least = 0, greatest = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(dev);
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    const bool ok = cudaStreamCreateWithPriority(&side->stream, cudaStreamNonBlocking, greatest) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&side->fork, cudaEventDisableTiming) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&side->join, cudaEventDisableTiming) == cudaSuccess;
+    cudaSetDevice(prev);
+    if (!ok) {
+      side->stream = nullptr;
+      return ffi::Unexpected(ffi::Error::Internal(std::string("gather_start: side stream: ") +
+                                                  cudaGetErrorString(cudaGetLastError())));
+    }
+  }
+  return side;
+}
+
+ffi::Error GatherStartCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
+                           ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id, int64_t layer) {
+  g_calls[kCallGatherStartCuda].fetch_add(1, std::memory_order_relaxed);
+  auto pool = pool_get(pool_id);
+  auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
+  if (shape.has_error()) return shape.error();
+  if (!pool->pinned || pool->record_bytes % 16)
+    return ffi::Error::InvalidArgument("gather_start: pool " + std::to_string(pool_id) +
+                                       " needs the zero-copy kernel (pinned, records a multiple of 16 bytes)");
+  auto side = side_stream(stream);
+  if (side.has_error()) return side.error();
+  uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
+  if (cache != cache_in.untyped_data())  // not aliased: the copy goes first, on XLA's stream, before the fork
+    cudaMemcpyAsync(cache, cache_in.untyped_data(), cache_in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  std::lock_guard<std::mutex> lock((*side)->mu);
+  cudaEventRecord((*side)->fork, stream);
+  cudaStreamWaitEvent((*side)->stream, (*side)->fork, 0);
+  return launch_gather_zero_copy((*side)->stream, static_cast<const int32_t*>(misses.untyped_data()),
+                                 static_cast<const int32_t*>(info.untyped_data()), *pool, layer,
+                                 cache + shape->cache_offset, shape->num_slots, shape->max_misses);
+}
+
+// misses and info come in only to stay alive (XLA must not reuse their memory) until the side stream has read them.
+ffi::Error GatherWaitCuda(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::AnyBuffer after_in, ffi::AnyBuffer,
+                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> cache_out,
+                          ffi::Result<ffi::AnyBuffer> after_out) {
+  g_calls[kCallGatherWaitCuda].fetch_add(1, std::memory_order_relaxed);
+  auto side = side_stream(stream);
+  if (side.has_error()) return side.error();
+  {
+    std::lock_guard<std::mutex> lock((*side)->mu);
+    cudaEventRecord((*side)->join, (*side)->stream);
+    cudaStreamWaitEvent(stream, (*side)->join, 0);
+  }
+  if (cache_out->untyped_data() != cache_in.untyped_data())
+    cudaMemcpyAsync(cache_out->untyped_data(), cache_in.untyped_data(), cache_in.size_bytes(),
+                    cudaMemcpyDeviceToDevice, stream);
+  if (after_out->untyped_data() != after_in.untyped_data())
+    cudaMemcpyAsync(after_out->untyped_data(), after_in.untyped_data(), after_in.size_bytes(),
+                    cudaMemcpyDeviceToDevice, stream);
+  return cuda_error("gather_wait");
+}
+
 // ----- PLE host step -------------------------------------------------------------------------------------------
 // Inside the captured step this becomes: D2H copies of tokens/lengths/reset/context into the table's pinned
 // staging -> a host node (cudaLaunchHostFunc) that hashes and gathers rows from the memory-mapped table into
@@ -603,6 +689,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherMemcpyCuda, jaxflash::GatherMemcpyCu
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int64_t>("pool_id")
                                   .Attr<int64_t>("layer"));
+
+// No command-buffer trait for these two: see "gather beside the kernels".
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherStartCuda, jaxflash::GatherStartCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("pool_id")
+                                  .Attr<int64_t>("layer"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherWaitCuda, jaxflash::GatherWaitCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCuda, jaxflash::PleCuda,
                               xla::ffi::Ffi::Bind()

@@ -33,6 +33,9 @@ const char* counter_name(int counter) {
     case kCallCopyCuda: return "copy_cuda";
     case kCallNvfp4MoeCpu: return "nvfp4_moe_cpu";
     case kCallNvfp4MoeCuda: return "nvfp4_moe_cuda";
+    case kCallGatherStartCuda: return "gather_start_cuda";
+    case kCallGatherWaitCuda: return "gather_wait_cuda";
+    case kCallGatherWaitCpu: return "gather_wait_cpu";
     default: return "unknown";
   }
 }

@@ -20,6 +20,7 @@ using namespace jaxflash;
 extern "C" {
 XLA_FFI_Error* JaxflashResolveCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashGatherWaitCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashPleCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashCopyCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashNvfp4MoeCpu(XLA_FFI_CallFrame*);
@@ -27,6 +28,8 @@ XLA_FFI_Error* JaxflashNvfp4MoeCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashResolveCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherZeroCopyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherMemcpyCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashGatherStartCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashGatherWaitCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashPleCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashCopyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashNvfp4MoeCuda(XLA_FFI_CallFrame*);
@@ -92,6 +95,8 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_resolve"] = capsule(JaxflashResolveCpu);
     d["jaxflash_gather"] = capsule(JaxflashGatherCpu);
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherCpu);  // one copy path on the CPU
+    d["jaxflash_gather_start"] = capsule(JaxflashGatherCpu);   // done when it returns: waiting is a no-op
+    d["jaxflash_gather_wait"] = capsule(JaxflashGatherWaitCpu);
     d["jaxflash_ple_step"] = capsule(JaxflashPleCpu);
     d["jaxflash_copy"] = capsule(JaxflashCopyCpu);
     d["jaxflash_nvfp4_moe"] = capsule(JaxflashNvfp4MoeCpu);
@@ -103,6 +108,8 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_resolve"] = capsule(JaxflashResolveCuda);
     d["jaxflash_gather"] = capsule(JaxflashGatherZeroCopyCuda);
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherMemcpyCuda);
+    d["jaxflash_gather_start"] = capsule(JaxflashGatherStartCuda);
+    d["jaxflash_gather_wait"] = capsule(JaxflashGatherWaitCuda);
     d["jaxflash_ple_step"] = capsule(JaxflashPleCuda);
     d["jaxflash_copy"] = capsule(JaxflashCopyCuda);
     d["jaxflash_nvfp4_moe"] = capsule(JaxflashNvfp4MoeCuda);

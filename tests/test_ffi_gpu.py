@@ -117,3 +117,43 @@ def test_ple_on_gpu_matches_reference(tmp_path):
         np.testing.assert_array_equal(np.asarray(bad.context), ref_ctx)  # unchanged
         with pytest.raises(F.PleError, match="token id 600"):
             F.check_ple_info(bad.info)
+
+
+def test_gather_beside_the_kernels_on_gpu():
+    """A prefill chunk's block loop in small: block b+1 is copied in on the side stream (gather_start) while a
+    reduction reads block b's slots, then gather_wait joins. Records of 1 MiB so each copy takes a while. Every
+    block's reduction must see its own records, and the cache end up as plain gathers leave it."""
+    E, S, R, B = 40, 8, 1 << 20, 4  # blocks of half the slots, as engine/experts.py runs them
+    pool_id, pool = random_pool(1, E, R, pin=True)
+    order = np.random.default_rng(5).permutation(E).astype(np.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def run(state, cache, order):
+        def block(b, state):
+            return F.resolve(jax.lax.dynamic_slice_in_dim(order, b * B, B), state, num_slots=S, num_experts=E)
+
+        def body(b, carry):
+            state, cache, sums, slots = carry
+            r = block(jnp.minimum(b + 1, E // B - 1), state)
+            cache = F.gather_start(r.misses, r.info, cache, pool=pool_id, layer=0)
+            total = jnp.sum(cache[slots].astype(jnp.uint32), axis=1)  # block b's records, read beside the copy
+            cache, total = F.gather_wait(cache, total, r.misses, r.info)
+            return r.state, cache, sums.at[b].set(total), r.slots
+
+        r = block(0, state)
+        cache = F.gather(r.misses, r.info, cache, pool=pool_id, layer=0)
+        sums = jnp.zeros((E // B, B), jnp.uint32)
+        return jax.lax.fori_loop(0, E // B, body, (r.state, cache, sums, r.slots))
+
+    try:
+        with jax.default_device(GPU):
+            state, cache, sums, _ = run(jnp.asarray(F.lru_state_init(S, E)), F.cache_init(S, R), jnp.asarray(order))
+        want = pool[0].astype(np.uint32).sum(axis=1)[order].reshape(E // B, B)
+        np.testing.assert_array_equal(np.asarray(sums), want)
+        holder = F.lru_state_fields(state, S, E)["slot_expert"]
+        assert sorted(holder.tolist()) == sorted(order[-S:].tolist())
+        cache = np.asarray(cache)
+        for v, e in enumerate(holder):
+            np.testing.assert_array_equal(cache[v], pool[0, e])
+    finally:
+        F.module().pool_release(pool_id)

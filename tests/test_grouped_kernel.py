@@ -97,25 +97,34 @@ def test_plan_tiles_puts_every_pair_in_a_tile_of_its_expert():
     assert int(plan.live) == 5 and te.shape == (8,) and (te[5:] == -1).all()
 
 
-def _cache(layout, ex, slots, kernel):
+def _cache(layout, ex, slots, kernel, overlap=None):
     """A one-layer host pool holding ex's records and an empty CachedExperts of `slots` slots over it."""
     e = ex.gate.packed.shape[0]
     pool = ffi.ExpertPool(layout, 1, e)
     pool.array[0] = records_of(layout, ex)
-    host = HostExperts(pool, layout, slots, kernel=kernel)
+    host = HostExperts(pool, layout, slots, kernel=kernel, overlap=overlap)
     return pool, CachedExperts.empty(host, 1)
 
 
+# What the cache holds after the test's second chunk: without overlap, blocks of 4 slots; with it, blocks of 2
+# ((5, 6) and (7, 8) in place, then (0, 2) evicts 6 and 5, and 3 evicts 7: ties evict the lower slot).
+SECOND_CHUNK_LEAVES = {False: [0, 2, 3, 5], True: [0, 2, 3, 8]}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("kernel", [False, True])
-def test_a_chunk_goes_through_the_cache_in_blocks(kernel):
-    """9 experts, 4 slots: a chunk hitting 7 of them runs in two blocks. Its output equals the resident sum;
-    each expert it hits is copied at most once, cached ones not at all; afterwards the cache holds the last
-    block's experts (what the chunk used most recently), and the status word counts the whole chunk."""
+def test_a_chunk_goes_through_the_cache_in_blocks(kernel, overlap):
+    """9 experts, 4 slots: a chunk hitting 7 of them runs in blocks (of 4, or of 2 when each block's copy runs
+    beside the previous block's kernels). Its output equals the resident sum; each expert it hits is copied at
+    most once, cached ones not at all; afterwards the cache holds the last blocks' experts (what the chunk used
+    most recently), and the status word counts the whole chunk. The CPU copies block b+1 before block b's
+    kernels run, so a copy landing in a slot that block b reads would change the output."""
     rng = np.random.default_rng(3)
     e, h, i, k, n = 9, 64, 32, 2, 24
     ex = random_experts(rng, e, h, i)
     layout = ExpertLayout("nvfp4", h, i)
-    pool, cache = _cache(layout, ex, 4, kernel)
+    pool, cache = _cache(layout, ex, 4, kernel, overlap)
+    ffi.reset_handler_calls()
     with pool:
         used = np.array([0, 2, 3, 5, 6, 7, 8])
         ids = jnp.asarray(np.stack([rng.choice(used, k, replace=False) for _ in range(n)]).astype(np.int32))
@@ -139,9 +148,31 @@ def test_a_chunk_goes_through_the_cache_in_blocks(kernel):
         np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
         assert int(src2.cache.status[0][0]) == 3
         f = ffi.lru_state_fields(src2.cache.lru[0], 4, e)
-        assert sorted(f["slot_expert"].tolist()) == [0, 2, 3, 5]  # 5 sits in the highest slot: ties evict low slots
+        assert sorted(f["slot_expert"].tolist()) == SECOND_CHUNK_LEAVES[overlap]
+        assert (ffi.handler_calls()["gather_wait_cpu"] > 0) == overlap
         # a padding row routes like the first token and brings nothing in
         valid = valid.at[-1].set(False)
         y3, src3 = jax.jit(lambda s, x, ids, w: s.routed(0, None, x, ids.at[-1].set(jnp.asarray([1, 4])), w,
                                                           valid))(src2, x, ids, w)
         assert int(src3.cache.status[0][1]) == 7  # experts 1 and 4 were not looked up
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunk_blocks_update_the_slots_in_place(overlap):
+    """The block loop reads and writes the layer's slots in place: the compiled chunk holds no copy of the
+    slot array (unrolled blocks made XLA copy every layer's slots; a side-stream copy must not either)."""
+    rng = np.random.default_rng(4)
+    e, h, i, k, n = 9, 64, 32, 2, 24
+    ex = random_experts(rng, e, h, i)
+    layout = ExpertLayout("nvfp4", h, i)
+    pool, cache = _cache(layout, ex, 4, False, overlap)
+    with pool:
+        ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
+        x = jnp.asarray(rng.normal(size=(n, h)), jnp.float32)
+        w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+        f = jax.jit(lambda s, x, ids, w: s.routed(0, None, x, ids, w, jnp.ones(n, bool)), donate_argnums=0)
+        hlo = f.lower(ChunkExperts(cache), x, ids, w).compile().as_text()
+        slot_shape = f"u8[4,{layout.record_bytes}]"
+        copies = [l for l in hlo.splitlines() if " copy(" in l and slot_shape in l.split("=")[1].split(" copy(")[0]]
+        assert not copies, copies
+        assert ("jaxflash_gather_wait" in hlo) == overlap

@@ -224,6 +224,48 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(engine, tok, monkeypatc
     assert [ra.out, rb.out] == solo
 
 
+def test_an_error_in_an_earlier_prefill_chunk_fails_its_request(engine, tok, monkeypatch):
+    """Every chunk's output is read for its status checks (expert cache, PLE), not only the last one's: a chunk
+    before the last that reports an error ends its request with that error; a request decoding beside it goes
+    on and gives what it gives alone."""
+    from jaxflash import ffi
+
+    words = " ".join(["and the earth was without form and void"] * 10)
+    pa, pb = tok.encode("In the beginning"), tok.encode(words)[:70]
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    solo = alone(engine, pa, **kw)
+    real_prefill = runner_mod.Runner.prefill
+    calls = []
+
+    class Failing:  # the second chunk's output, as read when its status words report a bad expert id
+        def __init__(self, pending):
+            self.pending = pending
+
+        def result(self):
+            self.pending.result()
+            raise ffi.ExpertCacheError("expert cache resolve: bad expert id 9999 (injected)")
+
+    def prefill(self, *a, **k):
+        calls.append(a)
+        pending = real_prefill(self, *a, **k)
+        return Failing(pending) if len(calls) == 2 else pending
+
+    sched = engine.scheduler
+    ra, rb = requests(engine, [pa, pb], **kw)
+    sched.submit(ra)
+    events = []
+    while not ra.out:
+        events += sched.step()
+    monkeypatch.setattr(runner_mod.Runner, "prefill", prefill)
+    sched.submit(rb)
+    while not sched.idle:
+        events += sched.step()
+    assert len(calls) == 5  # every chunk dispatched; the error shows when the outputs are read
+    assert rb.finish == "error" and "bad expert id 9999" in rb.error and not rb.out
+    assert_clean_stream(events)
+    assert ra.out == solo
+
+
 def test_short_prompts_take_the_short_prefill_bucket(engine, monkeypatch):
     """A plain prefill's last piece (a short prompt's only one) goes to the smallest bucket that holds it: with
     a short bucket of 8 tokens beside the 16-token chunk, prompts of 5 and 21 tokens run chunks of 8 and

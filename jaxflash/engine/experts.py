@@ -10,7 +10,9 @@ return updated (see jaxflash.model.moe, "expert source"):
     slots, so it goes through the cache in blocks of at most `slots` experts (those already cached first):
     resolve the block, copy its misses in, compute its tiles from the slots (on a GPU by the grouped NVFP4
     kernels). Each expert the chunk hits crosses PCIe at most once per chunk, experts already cached are read
-    in place, and after the chunk the cache holds what it used most recently, so decoding starts warm.
+    in place, and after the chunk the cache holds what it used most recently, so decoding starts warm. With
+    the zero-copy gather, blocks are half the slots and block b+1 is copied in on a side stream while block
+    b's kernels run (ffi.gather_start / gather_wait), so the PCIe copy and the compute overlap.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class HostExperts:
     kernel: bool | None = None  # compute experts with the NVFP4 kernels, decode's and prefill's grouped ones
     # (None: where they apply, NVFP4 on a GPU)
     route: str = "auto"  # the kernels' route (nvfp4_experts.ROUTES)
+    overlap: bool | None = None  # prefill blocks copied in beside the previous block's kernels (None: where the
+    # gather can, ffi.gathers_beside)
 
     def use_kernel(self, x) -> bool:
         if self.kernel is not None:
@@ -105,7 +109,7 @@ class CachedExperts:
                                 _set(self.status, layer, r.info), host)
 
     def routed_in_blocks(self, layer: int, x: Array, ids: Array, w: Array, valid: Array):
-        """A prefill chunk's routed experts through the cache, `slots` distinct experts at a time (see the
+        """A prefill chunk's routed experts through the cache, a block of distinct experts at a time (see the
         module docstring). The status word kept is the first block's that reports an error, else the last's;
         its n_miss and n_distinct count the whole chunk."""
         host = self.host
@@ -118,37 +122,61 @@ class CachedExperts:
         n_distinct = jnp.sum(present).astype(jnp.int32)
         # The distinct experts, those already cached first (ascending ids within each group), then the last of
         # them repeated: a block past the chunk's experts resolves that one again (a hit, nothing copied).
-        # Cached first, so that the first block reads them in place before later blocks evict them: a chunk
-        # copies only its experts that are not cached, and the next chunk finds this one's last block cached.
+        # Cached first, so that the first blocks read them in place before later blocks evict them: a chunk
+        # copies only its experts that are not cached, and the next chunk finds this one's last blocks cached.
         cached = ffi.lru_expert_slots(lru, slots_n, num_experts) >= 0
         rank = jnp.where(present, jnp.where(cached, 0, 1), 2) * num_experts + jnp.arange(num_experts)
         distinct = jnp.argsort(rank).astype(jnp.int32)
         distinct = jnp.where(jnp.arange(num_experts) < n_distinct, distinct, distinct[n_distinct - 1])
-        block = min(slots_n, num_experts)
+        # Overlapped (the zero-copy gather on a side stream, and the CPU): block b+1's misses are copied while
+        # block b's kernels run. Blocks of half the slots keep them apart: the LRU evicts for block b+1 the
+        # least recently used slots, and block b's were just used, so b+1's copies never land in b's slots.
+        overlap = slots_n >= 2 and (ffi.gathers_beside(host.pool, host.gather_mode) if host.overlap is None
+                                    else host.overlap)
+        block = min(slots_n // 2 if overlap else slots_n, num_experts)
         kernel = host.layout.kind == "nvfp4" and (host.kernel if host.kernel is not None else nvfp4_grouped.takes(x))
 
-        def one_block(b, carry):
-            lru, cache, ys, info = carry
+        def resolve(b, lru):
+            """Block b's resolve and the slot of each of its tiles (-1: another block's tile)."""
             lane = b * block + jnp.arange(block)
             ex = distinct[jnp.minimum(lane, num_experts - 1)]
             with jax.named_scope("resolve"):
                 r = ffi.resolve(ex, lru, num_slots=slots_n, num_experts=num_experts)
-            with jax.named_scope("gather"):
-                cache = ffi.gather(r.misses, r.info, cache, pool=host.pool, layer=layer, mode=host.gather_mode)
             mine = lane < n_distinct  # this block's own experts (the repeats are the previous block's)
             slot_of = jnp.full(num_experts, -1, jnp.int32).at[jnp.where(mine, ex, num_experts)].set(
                 r.slots, mode="drop")
-            tile_slot = jnp.where(plan.tile_expert >= 0, slot_of[jnp.maximum(plan.tile_expert, 0)], -1)
+            return r, jnp.where(plan.tile_expert >= 0, slot_of[jnp.maximum(plan.tile_expert, 0)], -1)
+
+        def compute(cache, tile_slot, ys):
+            """The tiles of one block, from their slots; other tiles keep their rows of ys."""
             if kernel:
                 place, operands = nvfp4_experts.record_operands(host.layout, cache)
-                ys = nvfp4_grouped.grouped_experts(place, operands, xs, tile_slot, GROUP_TILE, y0=ys)
-            else:  # the kernels' twin: every tile through its slot's expert, this block's tiles kept
-                we = take_experts(records_as_experts(host.layout, cache), jnp.maximum(tile_slot, 0))
-                yt = expert_tiles(we, xs.reshape(-1, GROUP_TILE, x.shape[-1])).reshape(ys.shape)
-                ys = jnp.where(jnp.repeat(tile_slot >= 0, GROUP_TILE)[:, None], yt, ys)
-            misses = info[0] + r.info[0]
-            info = jnp.where(info[2] != 0, info, r.info).at[0].set(misses)
-            return r.state, cache, ys, info
+                return nvfp4_grouped.grouped_experts(place, operands, xs, tile_slot, GROUP_TILE, y0=ys)
+            we = take_experts(records_as_experts(host.layout, cache), jnp.maximum(tile_slot, 0))  # the twin
+            yt = expert_tiles(we, xs.reshape(-1, GROUP_TILE, x.shape[-1])).reshape(ys.shape)
+            return jnp.where(jnp.repeat(tile_slot >= 0, GROUP_TILE)[:, None], yt, ys)
+
+        def count(info, r):  # misses summed; the first error's status kept, else the latest
+            return jnp.where(info[2] != 0, info, r.info).at[0].set(info[0] + r.info[0])
+
+        def gather(r, cache):
+            with jax.named_scope("gather"):
+                return ffi.gather(r.misses, r.info, cache, pool=host.pool, layer=layer, mode=host.gather_mode)
+
+        def one_block(b, carry):  # resolve, copy in, compute
+            lru, cache, ys, info = carry
+            r, tile_slot = resolve(b, lru)
+            cache = gather(r, cache)
+            return r.state, cache, compute(cache, tile_slot, ys), count(info, r)
+
+        def overlapped_block(b, carry):  # block b+1 resolved and copied in beside block b's kernels
+            lru, cache, ys, info, tile_slot = carry
+            r, next_slot = resolve(b + 1, lru)  # past the last block: a repeat (a hit, nothing copied)
+            with jax.named_scope("gather"):
+                cache = ffi.gather_start(r.misses, r.info, cache, pool=host.pool, layer=layer)
+            ys = compute(cache, tile_slot, ys)
+            cache, ys = ffi.gather_wait(cache, ys, r.misses, r.info)
+            return r.state, cache, ys, count(info, r), next_slot
 
         # A loop, not unrolled blocks: the slots are updated in place by each block's gather after the previous
         # block's kernels read them, and across unrolled blocks XLA kept the old contents by copying every
@@ -156,7 +184,14 @@ class CachedExperts:
         # blocks the chunk's distinct experts fill run.
         n_blocks = (n_distinct + block - 1) // block
         ys = jnp.zeros((plan.rows, x.shape[-1]), x.dtype)
-        lru, cache, ys, info = jax.lax.fori_loop(0, n_blocks, one_block, (lru, cache, ys, jnp.zeros(4, jnp.int32)))
+        info = jnp.zeros(4, jnp.int32)
+        if overlap:
+            r, tile_slot = resolve(0, lru)  # the first block alone: mostly cached experts
+            cache = gather(r, cache)
+            lru, cache, ys, info, _ = jax.lax.fori_loop(0, n_blocks, overlapped_block,
+                                                        (r.state, cache, ys, count(info, r), tile_slot))
+        else:
+            lru, cache, ys, info = jax.lax.fori_loop(0, n_blocks, one_block, (lru, cache, ys, info))
         info = info.at[1].set(n_distinct)
         cached = CachedExperts(_set(self.lru, layer, lru), _set(self.slots, layer, cache),
                                _set(self.status, layer, info), host)

@@ -242,6 +242,7 @@ class _Flight:
     first_of: Request | None = None  # prefill: the request whose first token it sampled
     fed: int = 1  # decode: positions per sequence it may feed (K+1 for a verify step)
     cost_key: tuple | None = None  # decode: (rows, most drafts a sequence may feed), when it ran back to back
+    earlier: tuple = ()  # prefill: the prompt's earlier chunks, read with it only for their status checks
 
 
 class Scheduler:
@@ -274,6 +275,7 @@ class Scheduler:
         self.running: list[Request] = []  # decoding (prefilled) and not finished
         self.prefilling: Request | None = None  # admitted, its prompt's chunks not all dispatched yet
         self._chunks_left: Iterator | None = None  # its chunks still to dispatch (see _prefill)
+        self._earlier_chunks: list[Pending] = []  # the outputs of its chunks dispatched so far
         self._in_flight: deque[_Flight] = deque()
         self._reset_slots()
 
@@ -371,7 +373,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req is self.prefilling:
-            self.prefilling, self._chunks_left = None, None
+            self.prefilling, self._chunks_left, self._earlier_chunks = None, None, []
         return Event(req, None)
 
     def _mask_row(self, req: Request) -> np.ndarray:
@@ -447,11 +449,14 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 -- this request fails alone; the state is rebuilt if lost
             req.error = f"{type(e).__name__}: {e}"
             return [self._end(req, "error")] + self._recover()
-        if last:
-            self.prefilling, self._chunks_left = None, None
-            self.stats.prompt_tokens += len(req.prompt)
-            self.running.append(req)
-            self._in_flight.append(_Flight(pending, (), first_of=req))
+        if not last:  # kept: a chunk's expert-cache and PLE status words are checked when its output is read
+            self._earlier_chunks.append(pending)
+            return []
+        self.prefilling, self._chunks_left = None, None
+        self.stats.prompt_tokens += len(req.prompt)
+        self.running.append(req)
+        earlier, self._earlier_chunks = tuple(self._earlier_chunks), []
+        self._in_flight.append(_Flight(pending, (), first_of=req, earlier=earlier))
         return []
 
     # ----- the loop -----------------------------------------------------------------------------------------------
@@ -522,6 +527,8 @@ class Scheduler:
         """Read a flight's output and turn it into events for the requests still waiting for it."""
         owners = (flight.first_of,) if flight.first_of is not None else flight.owners
         try:
+            for chunk in flight.earlier:
+                chunk.result()
             out = flight.pending.result()
         except Exception as e:  # noqa: BLE001 -- the program failed on the device: so do its requests
             return self._fail([r for r in owners if r is not None and r.finish is None], e)

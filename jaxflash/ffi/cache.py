@@ -142,6 +142,43 @@ def gather(misses, info, cache, *, pool, layer: int, mode: str = "auto") -> jax.
                 layer=np.int64(layer))
 
 
+def gathers_beside(pool, mode: str = "auto") -> bool:
+    """Whether gather_start serves this pool and gather mode: the zero-copy kernel on a GPU (a pinned pool), or
+    the CPU backend (one copy path for every mode)."""
+    if jax.default_backend() == "cpu":
+        return True
+    return (default_gather_mode(pool) if mode == "auto" else mode) == "zero_copy" and getattr(pool, "pinned", True)
+
+
+def gather_start(misses, info, cache, *, pool, layer: int) -> jax.Array:
+    """`gather` (zero-copy) started beside what follows it: on a GPU the misses are copied on a side stream once
+    everything enqueued before this call is done, while XLA's stream goes on. Until `gather_wait` the missed
+    slots are being written: read only other slots in between. The CPU copies before returning."""
+    _ext.module()
+    pool_id = int(getattr(pool, "id", pool))
+    if pool_id <= 0:
+        raise ValueError("gather_start: the expert pool is closed")
+    if not gathers_beside(pool):
+        raise ValueError("gather_start needs a pinned pool on a GPU (the zero-copy kernel); use gather()")
+    cache = jnp.asarray(cache)
+    call = jax.ffi.ffi_call("jaxflash_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={2: 0})
+    return call(jnp.asarray(misses, jnp.int32), jnp.asarray(info, jnp.int32), cache, pool_id=np.int64(pool_id),
+                layer=np.int64(layer))
+
+
+def gather_wait(cache, after, misses, info) -> tuple[jax.Array, jax.Array]:
+    """Join every `gather_start` so far: returns (cache, after) once the copies are in (both aliased: donate
+    them). `after` is the last work that reads the cache beside the copy (its output): taking it orders that
+    work before the join. `misses` and `info` (gather_start's) stay alive until here, as the copy reads them."""
+    _ext.module()
+    cache, after = jnp.asarray(cache), jnp.asarray(after)
+    call = jax.ffi.ffi_call("jaxflash_gather_wait", (jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                                                     jax.ShapeDtypeStruct(after.shape, after.dtype)),
+                            input_output_aliases={0: 0, 1: 1})
+    return tuple(call(cache, after, jnp.asarray(misses, jnp.int32), jnp.asarray(info, jnp.int32)))
+
+
 def check_info(info, *, num_slots: int | None = None, num_experts: int | None = None, what: str = "resolve") -> None:
     """Raise ExpertCacheError if a resolve info (int32[4], or stacked [..., 4]) reports an error."""
     arr = np.asarray(info).reshape(-1, 4)
