@@ -349,10 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048, help="tokens of the long prompt")
     ap.add_argument("--short-prompt", type=int, default=67, help="tokens of the short prompt (cold and warm TTFT)")
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
-    ap.add_argument("--overlap", default="auto",
-                    help="comma-separated, host mode: auto (each block's PCIe copy beside the previous block's "
-                         "kernels, where the gather can) and/or off (copy, then compute; configurations named "
-                         "...-serialcopy)")
+    ap.add_argument("--overlap", default="off",
+                    help="comma-separated, host mode: off (copy, then compute: the default) and/or on (each "
+                         "block's PCIe copy beside the previous block's kernels; configurations named "
+                         "...-overlap)")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--max-seq-len", type=int, default=0,
                     help="the context the engine plans for (default: the prompt rounded up to whole pages, at "
@@ -389,8 +389,8 @@ def main(argv=None) -> int:
     if not set(routings) <= {"model", "calibrated"}:
         ap.error(f"--routing takes model and/or calibrated, got {args.routing!r}")
     overlaps = args.overlap.split(",")
-    if not set(overlaps) <= {"auto", "off"}:
-        ap.error(f"--overlap takes auto and/or off, got {args.overlap!r}")
+    if not set(overlaps) <= {"on", "off"}:
+        ap.error(f"--overlap takes on and/or off, got {args.overlap!r}")
     chunks = [int(c) for c in args.chunks.split(",")]
     if min(chunks) < 1 or args.prompt < 1 or args.short_prompt < 1 or args.reps < 1:
         ap.error("chunks, --prompt, --short-prompt and --reps must be positive")
@@ -421,8 +421,8 @@ def main(argv=None) -> int:
     configs = []
     for mode in modes:
         for chunk in chunks:
-            for routing, overlap in ((r, o) for r in routings for o in (overlaps if mode == "host" else ["auto"])):
-                name = f"{mode}-c{chunk}-{routing}" + ("-serialcopy" if overlap == "off" else "")
+            for routing, overlap in ((r, o) for r in routings for o in (overlaps if mode == "host" else ["off"])):
+                name = f"{mode}-c{chunk}-{routing}" + ("-overlap" if overlap == "on" else "")
                 if args.only and name not in args.only.split(","):
                     continue
                 seq = args.max_seq_len or -(-max(args.prompt, args.short_prompt, chunk) // align) * align
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
     for c in configs:
         feed = decode.StreamRouting(calibrated) if c["routing"] == "calibrated" else None
         plan = c["plan"]
-        host = (HostExperts(model.pool, model.layout, plan.cache_slots, overlap=False if c["overlap"] == "off" else None)
+        host = (HostExperts(model.pool, model.layout, plan.cache_slots, overlap=c["overlap"] == "on")
                 if c["mode"] == "host" else None)
         c["engine"] = Engine(cfg, device_params if c["mode"] == "device" else model.params, plan=plan,
                              host_experts=host, ngram=model.ngram, routing=feed)

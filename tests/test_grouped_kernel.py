@@ -97,7 +97,7 @@ def test_plan_tiles_puts_every_pair_in_a_tile_of_its_expert():
     assert int(plan.live) == 5 and te.shape == (8,) and (te[5:] == -1).all()
 
 
-def _cache(layout, ex, slots, kernel, overlap=None):
+def _cache(layout, ex, slots, kernel, overlap=False):
     """A one-layer host pool holding ex's records and an empty CachedExperts of `slots` slots over it."""
     e = ex.gate.packed.shape[0]
     pool = ffi.ExpertPool(layout, 1, e)
