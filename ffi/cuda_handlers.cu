@@ -340,23 +340,43 @@ ffi::Error launch_gather_zero_copy(cudaStream_t stream, const int32_t* misses, c
   return cuda_error("gather kernel launch");
 }
 
+// XLA's output buffer holds the input's bytes: when XLA did not alias the two, copy them over (on `stream`).
+void keep_contents(cudaStream_t stream, void* out, const ffi::AnyBuffer& in) {
+  if (out != in.untyped_data()) cudaMemcpyAsync(out, in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+}
+
+// What the zero-copy gather needs, checked (`who` names the call in errors): the pool, the cache's geometry, and
+// the output cache, holding the input's contents (a copy on XLA's stream when the two are not aliased).
+struct ZeroCopyGather {
+  std::shared_ptr<ExpertPool> pool;
+  GatherShape shape;
+  uint8_t* cache;
+};
+
+ffi::ErrorOr<ZeroCopyGather> zero_copy_gather(cudaStream_t stream, const char* who, const ffi::AnyBuffer& misses,
+                                              const ffi::AnyBuffer& info, const ffi::AnyBuffer& cache_in,
+                                              ffi::Result<ffi::AnyBuffer>& cache_out, int64_t pool_id, int64_t layer) {
+  auto pool = pool_get(pool_id);
+  auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
+  if (shape.has_error()) return ffi::Unexpected(shape.error());
+  if (!pool->pinned || pool->record_bytes % 16)
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(who) + ": pool " + std::to_string(pool_id) + " needs the zero-copy kernel: pinned (" +
+        (pool->pinned ? "yes" : "no: " + pool->note + "; use mode='memcpy'") + ") and records a multiple of 16 bytes (" +
+        std::to_string(pool->record_bytes) + ")"));
+  uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
+  keep_contents(stream, cache, cache_in);
+  return ZeroCopyGather{std::move(pool), *shape, cache};
+}
+
 ffi::Error GatherZeroCopyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
                               ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id, int64_t layer) {
   g_calls[kCallGatherZeroCopyCuda].fetch_add(1, std::memory_order_relaxed);
-  auto pool = pool_get(pool_id);
-  auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
-  if (shape.has_error()) return shape.error();
-  if (!pool->pinned)
-    return ffi::Error::InvalidArgument("gather: pool " + std::to_string(pool_id) +
-                                       " is not pinned (" + pool->note + "); use mode='memcpy'");
-  if (pool->record_bytes % 16)
-    return ffi::Error::InvalidArgument("gather: record_bytes must be a multiple of 16 for the zero-copy kernel");
-  uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
-  if (cache != cache_in.untyped_data())
-    cudaMemcpyAsync(cache, cache_in.untyped_data(), cache_in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  auto g = zero_copy_gather(stream, "gather", misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return g.error();
   return launch_gather_zero_copy(stream, static_cast<const int32_t*>(misses.untyped_data()),
-                                 static_cast<const int32_t*>(info.untyped_data()), *pool, layer,
-                                 cache + shape->cache_offset, shape->num_slots, shape->max_misses);
+                                 static_cast<const int32_t*>(info.untyped_data()), *g->pool, layer,
+                                 g->cache + g->shape.cache_offset, g->shape.num_slots, g->shape.max_misses);
 }
 
 // Batched copies. The miss list lives on the device, so this handler must wait for it (one small D2H copy and
@@ -381,8 +401,7 @@ ffi::Error GatherMemcpyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::Any
   auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
   if (shape.has_error()) return shape.error();
   uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
-  if (cache != cache_in.untyped_data())
-    cudaMemcpyAsync(cache, cache_in.untyped_data(), cache_in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  keep_contents(stream, cache, cache_in);
   // Pinned scratch for the miss list, grown on demand (this handler never runs under capture).
   static thread_local int32_t* scratch = nullptr;
   static thread_local size_t scratch_bytes = 0;
@@ -455,23 +474,17 @@ ffi::ErrorOr<SideStream*> side_stream(cudaStream_t xla_stream) {
 ffi::Error GatherStartCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
                            ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id, int64_t layer) {
   g_calls[kCallGatherStartCuda].fetch_add(1, std::memory_order_relaxed);
-  auto pool = pool_get(pool_id);
-  auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
-  if (shape.has_error()) return shape.error();
-  if (!pool->pinned || pool->record_bytes % 16)
-    return ffi::Error::InvalidArgument("gather_start: pool " + std::to_string(pool_id) +
-                                       " needs the zero-copy kernel (pinned, records a multiple of 16 bytes)");
   auto side = side_stream(stream);
   if (side.has_error()) return side.error();
-  uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
-  if (cache != cache_in.untyped_data())  // not aliased: the copy goes first, on XLA's stream, before the fork
-    cudaMemcpyAsync(cache, cache_in.untyped_data(), cache_in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  // a cache copy (not aliased) is enqueued on XLA's stream, before the fork
+  auto g = zero_copy_gather(stream, "gather_start", misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return g.error();
   std::lock_guard<std::mutex> lock((*side)->mu);
   cudaEventRecord((*side)->fork, stream);
   cudaStreamWaitEvent((*side)->stream, (*side)->fork, 0);
   return launch_gather_zero_copy((*side)->stream, static_cast<const int32_t*>(misses.untyped_data()),
-                                 static_cast<const int32_t*>(info.untyped_data()), *pool, layer,
-                                 cache + shape->cache_offset, shape->num_slots, shape->max_misses);
+                                 static_cast<const int32_t*>(info.untyped_data()), *g->pool, layer,
+                                 g->cache + g->shape.cache_offset, g->shape.num_slots, g->shape.max_misses);
 }
 
 // misses and info come in only to stay alive (XLA must not reuse their memory) until the side stream has read them.
@@ -486,12 +499,8 @@ ffi::Error GatherWaitCuda(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Any
     cudaEventRecord((*side)->join, (*side)->stream);
     cudaStreamWaitEvent(stream, (*side)->join, 0);
   }
-  if (cache_out->untyped_data() != cache_in.untyped_data())
-    cudaMemcpyAsync(cache_out->untyped_data(), cache_in.untyped_data(), cache_in.size_bytes(),
-                    cudaMemcpyDeviceToDevice, stream);
-  if (after_out->untyped_data() != after_in.untyped_data())
-    cudaMemcpyAsync(after_out->untyped_data(), after_in.untyped_data(), after_in.size_bytes(),
-                    cudaMemcpyDeviceToDevice, stream);
+  keep_contents(stream, cache_out->untyped_data(), cache_in);
+  keep_contents(stream, after_out->untyped_data(), after_in);
   return cuda_error("gather_wait");
 }
 
@@ -581,8 +590,7 @@ ffi::Error CopyCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remaining
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = *args.get<ffi::AnyBuffer>(i);
     auto r = *rets.get<ffi::AnyBuffer>(i);
-    if (a.size_bytes() && r->untyped_data() != a.untyped_data())
-      cudaMemcpyAsync(r->untyped_data(), a.untyped_data(), a.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    if (a.size_bytes()) keep_contents(stream, r->untyped_data(), a);
   }
   return cuda_error("copy");
 }
