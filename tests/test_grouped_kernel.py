@@ -63,6 +63,9 @@ def test_grouped_kernels_equal_the_twin(dtype, source):
     assert rel_err(got, want) < TOLS[dtype]
     skipped = np.repeat(np.asarray(ids) < 0, tile)
     np.testing.assert_array_equal(np.asarray(got)[skipped], np.asarray(y0)[skipped])  # untouched, exactly
+    bare = np.asarray(G.grouped_experts(place, ops, xs, slot_ids, tile))  # no y0: the kernel writes zeros there
+    assert (bare[skipped] == 0).all()
+    np.testing.assert_array_equal(bare[~skipped], np.asarray(got)[~skipped])
 
 
 def test_grouped_path_equals_the_tiled_path():
@@ -95,6 +98,11 @@ def test_plan_tiles_puts_every_pair_in_a_tile_of_its_expert():
         assert te[r // 2] == flat[order[pos]]
     # experts 0, 1, 2 hold 3, 1, 4 pairs: 2 + 1 + 2 live tiles of 2 rows; the bound is 8 / 2 + 4
     assert int(plan.live) == 5 and te.shape == (8,) and (te[5:] == -1).all()
+    x = jnp.arange(1, 4 * 3 + 1, dtype=jnp.float32).reshape(4, 3)
+    xs = np.asarray(plan.sort_rows(x))  # each pair's token row at its row, zeros elsewhere
+    want = np.zeros((16, 3), np.float32)
+    want[rows] = np.asarray(x)[order // 2]
+    np.testing.assert_array_equal(xs, want)
 
 
 def _cache(layout, ex, slots, kernel, overlap=False):

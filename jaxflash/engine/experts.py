@@ -183,7 +183,10 @@ class CachedExperts:
         # layer's cache (19 GiB of temporaries at full size on the H200). Its trip count is data: only the
         # blocks the chunk's distinct experts fill run.
         n_blocks = (n_distinct + block - 1) // block
-        ys = jnp.zeros((plan.rows, x.shape[-1]), x.dtype)
+        # The tiles' outputs start as their inputs, not zeros: every tile holding pairs is computed by one block,
+        # and combine reads only the pairs' rows. A zero-filled start would depend on nothing, and XLA builds
+        # such buffers for all layers at once at the start of the program, where they stay.
+        ys = xs
         info = jnp.zeros(4, jnp.int32)
         if overlap:
             r, tile_slot = resolve(0, lru)  # the first block alone: mostly cached experts

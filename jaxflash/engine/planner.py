@@ -139,11 +139,11 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, max_seq_len: int, max_batch: i
     return int(1.25 * max(attn + moe + acts, kv_gather)) + 256 * MiB
 
 
-# What choose_chunk picks from. Not 8192: on the H200 (full size, bf16, an 8192-token context) its prefill program
-# needed 60-62 GiB of temporaries where workspace_bytes says 9.8 GiB, and failed to allocate them beside the
-# device-resident experts; smaller chunks' true needs are not measured yet (the warm-up warns, see
-# Scheduler._check_workspace). An explicit prefill_chunk may still ask for 8192.
-PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)
+# What choose_chunk picks from. On the H200 (full size, bf16, an 8192-token context) the prefill program of
+# 8192-token chunks takes 8.9 GiB of temporaries with host experts and 4.5 GiB with resident ones, against
+# workspace_bytes' 9.8 GiB (benchmarks/RESULTS.md); the scheduler's warm-up warns if a compiled program ever
+# needs more than the planner reserved (Scheduler._check_workspace).
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
 WORKSPACE_SHARE = 8  # a chosen chunk's workspace takes at most 1 / WORKSPACE_SHARE of the budget
 
 

@@ -651,8 +651,20 @@ class Runner:
         return compiled, "compiled"
 
     def _build(self, name: str, want: Want | None, rows: int | None, span: int | None):
-        """Trace and compile one program over (weight leaves, state leaves, *inputs) ahead of time: its inputs'
-        shapes are fixed by the setup, so each program compiles exactly once."""
+        """Trace and compile one program ahead of time: its inputs' shapes are fixed by the setup, so each
+        program compiles exactly once."""
+        return self.lower(name, want, rows, span).compile()
+
+    def lower(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None):
+        """One program traced and lowered, not compiled (jax's Lowered: benchmarks compile it with other XLA
+        options)."""
+        run, args = self.program_fn(name, want, rows, span)
+        return jax.jit(run, donate_argnums=1).lower(*args)
+
+    def program_fn(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None):
+        """(the function a program computes, its arguments): run(weight leaves, state leaves, *inputs) ->
+        (state leaves, output), the arguments the weights, the state's shapes and the inputs' shapes."""
+        name, want, rows, span = self._key(name, want, rows, span)
         setup, p_def, s_def = self.setup, self._params_def, self._state_def
 
         def run(param_leaves, state_leaves, *args):
@@ -678,8 +690,7 @@ class Runner:
             return leaves, out
 
         run.__name__ = name  # the program's name in traces and HLO dumps: jit(decode), jit(prefill), ...
-        return jax.jit(run, donate_argnums=1).lower(self._params, self._state_shapes,
-                                                    *self._inputs(name, want, rows)).compile()
+        return run, (self._params, self._state_shapes, *self._inputs(name, want, rows))
 
     def _inputs(self, name: str, want: Want | None, rows: int | None, span: int | None = None) -> tuple:
         """The shapes of a program's inputs after the weights and the state."""

@@ -114,13 +114,20 @@ def _gate_up_kernel(ids_ref, xe_ref, xo_ref, *refs, place: Placement, tile: int,
         act_ref[rows, pl.ds(row0, t.rows_gu)] = (g * jax.nn.sigmoid(g) * u.astype(dt).astype(jnp.float32)).astype(dt)
 
 
-def _down_kernel(ids_ref, ae_ref, ao_ref, y0_ref, *refs, place: Placement, tile: int, t: GroupTiles):
-    del y0_ref  # aliased to the output: rows of tiles with id -1 keep it
-    *w, y_ref = refs
+def _down_kernel(ids_ref, ae_ref, ao_ref, *refs, place: Placement, tile: int, t: GroupTiles, has_y0: bool):
+    if has_y0:  # y0 is aliased to the output: rows of tiles with id -1 keep it
+        _, *w, y_ref = refs
+    else:  # rows of tiles with id -1 are zeros, written here (see _grouped)
+        *w, y_ref = refs
     e = ids_ref[pl.program_id(0)]
     row0 = pl.program_id(1) * t.rows_down
     rows = pl.ds(pl.program_id(0) * tile, tile)
     dt = y_ref.dtype
+
+    if not has_y0:
+        @pl.when(e < 0)
+        def _():
+            y_ref[rows, pl.ds(row0, t.rows_down)] = jnp.zeros((tile, t.rows_down), dt)
 
     @pl.when(e >= 0)
     def _():
@@ -151,12 +158,16 @@ def _grouped(xs, ids, y0, operands, place: Placement, tile: int, tiles: GroupTil
         grid=(n_tiles, place.inter // t.rows_gu), compiler_params=params, interpret=interpret,
         name="nvfp4_grouped_gate_up",
     )(ids, xs[:, 0::2], xs[:, 1::2], *operands)
+    # Without y0 the kernel writes the zeros of empty tiles itself: a zero-filled y0 would depend on nothing,
+    # and XLA builds such buffers for every layer at once in one fused kernel at the start of the program,
+    # where they stay (one [rows, H] buffer per layer: most of a prefill chunk's temporaries on the H200).
+    y0_arg = () if y0 is None else (y0,)
     return pl.pallas_call(
-        partial(_down_kernel, place=place, tile=tile, t=t),
+        partial(_down_kernel, place=place, tile=tile, t=t, has_y0=y0 is not None),
         out_shape=jax.ShapeDtypeStruct((n_tiles * tile, place.hidden), dt),
         grid=(n_tiles, place.hidden // t.rows_down), compiler_params=params, interpret=interpret,
-        input_output_aliases={3: 0}, name="nvfp4_grouped_down",
-    )(ids, act[:, 0::2], act[:, 1::2], y0, *operands)
+        input_output_aliases={} if y0 is None else {3: 0}, name="nvfp4_grouped_down",
+    )(ids, act[:, 0::2], act[:, 1::2], *y0_arg, *operands)
 
 
 def grouped_experts(place: Placement, operands: tuple[Array, ...], xs: Array, ids: Array, tile: int,
@@ -173,7 +184,7 @@ def grouped_experts(place: Placement, operands: tuple[Array, ...], xs: Array, id
         raise ValueError(f"the tile must be a power of two >= 16 (a tensor-core dimension), got {tile}")
     if interpret is None:
         interpret = not on_gpu()
-    y0 = jnp.zeros((xs.shape[0], place.hidden), xs.dtype) if y0 is None else y0.astype(xs.dtype)
+    y0 = None if y0 is None else y0.astype(xs.dtype)
     return _grouped(xs, ids.astype(jnp.int32), y0, tuple(operands), place, tile, tiles, interpret)
 
 

@@ -166,16 +166,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     intra = jnp.einsum("hncd,hned->hnce", q, k, precision=_HI) * decay
     chunk_decay = jnp.exp(gam[..., -1])  # [Hv, N]
 
-    def step(s, xs):
-        u_i, wd_i, qd_i, kd_i, intra_i, dec_i = xs
-        v_new = u_i - jnp.einsum("hcd,hde->hce", wd_i, s, precision=_HI)
+    def step(i, carry):
+        s, uo = carry
+        wd_i, qd_i, kd_i, intra_i, dec_i = (a[i] for a in xs)
+        v_new = uo[i] - jnp.einsum("hcd,hde->hce", wd_i, s, precision=_HI)
         o = jnp.einsum("hcd,hde->hce", qd_i, s, precision=_HI) + jnp.einsum("hce,hed->hcd", intra_i, v_new,
                                                                               precision=_HI)
         s = s * dec_i[:, None, None] + jnp.einsum("hcd,hce->hde", kd_i, v_new, precision=_HI)
-        return s, o
+        return s, uo.at[i].set(o)
 
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (u, wd, qd, kd, intra, chunk_decay))  # scan over N
-    state, o = lax.scan(step, state, xs)  # o [N, Hv, C, dv]
+    # Over the N chunks in order. Chunk i's output overwrites its u (read just before): no zero-filled output
+    # buffer as lax.scan's would be, which depends on nothing, so XLA builds those of all GDN layers at once
+    # at the start of the program, where they stay.
+    u, *xs = (jnp.moveaxis(a, 1, 0) for a in (u, wd, qd, kd, intra, chunk_decay))
+    state, o = lax.fori_loop(0, n, step, (state, u))  # o [N, Hv, C, dv]
     o = jnp.moveaxis(o, 1, 2).reshape(n * CHUNK, hv, -1)
     return o[:t], state
 

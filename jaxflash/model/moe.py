@@ -196,14 +196,21 @@ class TilePlan:
         return self.tile_expert.shape[0] * self.tile
 
     def sort_rows(self, x: Array) -> Array:
-        """The tiles' rows [n_tiles * tile, H]: each pair's token row, zeros in the padding."""
-        return jnp.zeros((self.rows, x.shape[-1]), x.dtype).at[self.row].set(x[self.token])
+        """The tiles' rows [n_tiles * tile, H]: each pair's token row, zeros in the padding. A gather from x,
+        not a scatter into zeros: a zero-filled buffer depends on nothing, and XLA builds those of all layers
+        at once at the start of the program, where they stay (most of a prefill chunk's temporaries)."""
+        n = x.shape[0]
+        source = jnp.full((self.rows,), n, jnp.int32).at[self.row].set(self.token.astype(jnp.int32))
+        return x.at[source].get(mode="fill", fill_value=0)  # padding rows name token n: out of range, zeros
 
     def combine(self, ys: Array, w: Array, n: int) -> Array:
-        """sum_j w[n, j] * y of pair (n, j), float32 [n, H], from the tiles' output rows ys."""
+        """sum_j w[n, j] * y of pair (n, j), float32 [n, H], from the tiles' output rows ys: each token gathers
+        its k rows (no scatter-add into zeros, see sort_rows)."""
         f32 = acc_dtype(ys.dtype)
-        y = ys[self.row].astype(f32) * w.reshape(-1)[self.order].astype(f32)[:, None]
-        return jnp.zeros((n, ys.shape[-1]), f32).at[self.token].add(y)
+        k = w.shape[-1]
+        row_of_pair = jnp.zeros(n * k, jnp.int32).at[self.order].set(self.row.astype(jnp.int32))
+        y = ys[row_of_pair].reshape(n, k, -1).astype(f32) * w.reshape(n, k, 1).astype(f32)
+        return jnp.sum(y, axis=1)
 
 
 def plan_tiles(idx: Array, num_experts: int, tile: int, pad_tiles_to: int = 1) -> TilePlan:
@@ -250,7 +257,11 @@ def experts_tiled(e: Experts, x: Array, idx: Array, w: Array, tile: int = 64, ti
     steps = plan.tile_expert.shape[0] // tiles_per_step
     xs = plan.sort_rows(x).reshape(steps, tiles_per_step, tile, -1)
     tile_expert = jnp.maximum(plan.tile_expert, 0).reshape(steps, tiles_per_step)  # past the live ones: any
-    _, ys = lax.scan(lambda c, a: (c, expert_tiles(take_experts(e, a[1]), a[0])), None, (xs, tile_expert))
+
+    def step(i, rows):  # each step's output overwrites its input rows (as in gated_deltanet's chunk loop)
+        return rows.at[i].set(expert_tiles(take_experts(e, tile_expert[i]), rows[i]))
+
+    ys = lax.fori_loop(0, steps, step, xs)
     return plan.combine(ys.reshape(plan.rows, -1), w, x.shape[0])
 
 
