@@ -56,6 +56,8 @@ KERNEL_PARTS = [
     ("nvfp4_down", "routed experts"),
     ("nvfp4_moe_gate_up", "routed experts"),  # the CUDA expert kernels (ffi/nvfp4_moe.cu)
     ("nvfp4_moe_down", "routed experts"),
+    ("nvfp4_grouped_gate_up", "routed experts"),  # prefill's grouped kernels (jaxflash/kernels/nvfp4_grouped.py)
+    ("nvfp4_grouped_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
 ]
 
