@@ -18,7 +18,7 @@ Nothing runs: the model's weights are built (seeded random, as benchmarks/decode
 runner lowers its programs over them.
 
     python benchmarks/prefill_memory.py --layers 4,8 --modes host,device --chunks 2048,8192 \\
-        --options default,no-lhs,slop10 --out DIR                                            # on the GPU
+        --options default,no-lhs,slop10 [--reports] --out DIR                                # on the GPU
     python benchmarks/prefill_memory.py --preset small --layers 4,8 --chunks 64,256 --out DIR  # CPU smoke run
 """
 
@@ -82,8 +82,9 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct-layers", type=int, default=2)
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep XLA's memory-usage report and buffer assignment of each compile in --out")
+    ap.add_argument("--reports", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep XLA's memory-usage report and buffer assignment (gzipped) of each compile in --out "
+                         "(two files per compile)")
     ap.add_argument("--out", default=None, help="directory for results.json (and the reports)")
     args = ap.parse_args(argv)
 
