@@ -107,52 +107,14 @@ ffi::Error CopyCpu(ffi::RemainingArgs args, ffi::RemainingRets rets) {
 }  // namespace jaxflash
 
 // The exported handler symbols (C linkage, so the module can hand out their addresses as capsules).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashResolveCpu, jaxflash::ResolveCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_slots")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("layer"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashResolveCpu, jaxflash::ResolveCpu, JAXFLASH_RESOLVE_BINDING(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherCpu, jaxflash::GatherCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pool_id")
-                                  .Attr<int64_t>("layer"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherCpu, jaxflash::GatherCpu, JAXFLASH_GATHER_BINDING(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherWaitCpu, jaxflash::GatherWaitCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                              JAXFLASH_GATHER_WAIT_BINDING(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCpu, jaxflash::PleCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("table_id")
-                                  .Attr<int64_t>("eos")
-                                  .Attr<int64_t>("vocab")
-                                  .Attr<xla::ffi::Span<const int64_t>>("multipliers")
-                                  .Attr<xla::ffi::Span<const int64_t>>("head_sizes")
-                                  .Attr<xla::ffi::Span<const int64_t>>("head_offsets"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCpu, jaxflash::PleCpu, JAXFLASH_PLE_BINDING(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCopyCpu, jaxflash::CopyCpu,
                               xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets());

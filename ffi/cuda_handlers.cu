@@ -662,85 +662,26 @@ std::pair<double, bool> bench_gather(int64_t pool_id, int64_t layer, const int32
 
 }  // namespace jaxflash
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashResolveCuda, jaxflash::ResolveCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_slots")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("layer"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashResolveCuda, jaxflash::ResolveCuda, JAXFLASH_RESOLVE_BINDING(JAXFLASH_CUDA_BIND),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherZeroCopyCuda, jaxflash::GatherZeroCopyCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pool_id")
-                                  .Attr<int64_t>("layer"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              JAXFLASH_GATHER_BINDING(JAXFLASH_CUDA_BIND), {xla::ffi::Traits::kCmdBufferCompatible});
 
 // No command-buffer trait: this one synchronizes the stream to read the miss list.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherMemcpyCuda, jaxflash::GatherMemcpyCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pool_id")
-                                  .Attr<int64_t>("layer"));
+                              JAXFLASH_GATHER_BINDING(JAXFLASH_CUDA_BIND));
 
 // No command-buffer trait for these two: see "gather beside the kernels".
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherStartCuda, jaxflash::GatherStartCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pool_id")
-                                  .Attr<int64_t>("layer"));
+                              JAXFLASH_GATHER_BINDING(JAXFLASH_CUDA_BIND));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherWaitCuda, jaxflash::GatherWaitCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                              JAXFLASH_GATHER_WAIT_BINDING(JAXFLASH_CUDA_BIND));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCuda, jaxflash::PleCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("table_id")
-                                  .Attr<int64_t>("eos")
-                                  .Attr<int64_t>("vocab")
-                                  .Attr<xla::ffi::Span<const int64_t>>("multipliers")
-                                  .Attr<xla::ffi::Span<const int64_t>>("head_sizes")
-                                  .Attr<xla::ffi::Span<const int64_t>>("head_offsets"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPleCuda, jaxflash::PleCuda, JAXFLASH_PLE_BINDING(JAXFLASH_CUDA_BIND),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // No command-buffer trait, on purpose (see CopyCuda).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCopyCuda, jaxflash::CopyCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+                              JAXFLASH_CUDA_BIND.RemainingArgs().RemainingRets());

@@ -163,6 +163,58 @@ inline ffi::ErrorOr<PleParams> make_ple_params(const ffi::AnyBuffer& tokens, con
   return p;
 }
 
+// A CUDA handler's binding starts with its stream (expanded in .cu files only).
+#define JAXFLASH_CUDA_BIND xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+
+// The operands and attributes of the cache's and the PLE step's calls, bound alike by their CPU and CUDA handlers
+// (the CUDA ones after their stream; traits stay with each handler). resolve: ids, LRU state -> slots, misses,
+// info, LRU state (jaxflash/ffi/cache.py).
+#define JAXFLASH_RESOLVE_BINDING(bind) \
+  (bind).Arg<xla::ffi::AnyBuffer>()     \
+      .Arg<xla::ffi::AnyBuffer>()       \
+      .Ret<xla::ffi::AnyBuffer>()       \
+      .Ret<xla::ffi::AnyBuffer>()       \
+      .Ret<xla::ffi::AnyBuffer>()       \
+      .Ret<xla::ffi::AnyBuffer>()       \
+      .Attr<int64_t>("num_slots")       \
+      .Attr<int64_t>("num_experts")     \
+      .Attr<int64_t>("layer")
+
+// gather, gather_start: misses, info, cache -> cache.
+#define JAXFLASH_GATHER_BINDING(bind) \
+  (bind).Arg<xla::ffi::AnyBuffer>()    \
+      .Arg<xla::ffi::AnyBuffer>()      \
+      .Arg<xla::ffi::AnyBuffer>()      \
+      .Ret<xla::ffi::AnyBuffer>()      \
+      .Attr<int64_t>("pool_id")        \
+      .Attr<int64_t>("layer")
+
+// gather_wait: cache, after, misses, info -> cache, after.
+#define JAXFLASH_GATHER_WAIT_BINDING(bind) \
+  (bind).Arg<xla::ffi::AnyBuffer>()         \
+      .Arg<xla::ffi::AnyBuffer>()           \
+      .Arg<xla::ffi::AnyBuffer>()           \
+      .Arg<xla::ffi::AnyBuffer>()           \
+      .Ret<xla::ffi::AnyBuffer>()           \
+      .Ret<xla::ffi::AnyBuffer>()
+
+// the PLE host step: tokens, lengths, reset, context -> ids, rows, context, info (jaxflash/ffi/ple.py).
+#define JAXFLASH_PLE_BINDING(bind)                          \
+  (bind).Arg<xla::ffi::AnyBuffer>()                          \
+      .Arg<xla::ffi::AnyBuffer>()                            \
+      .Arg<xla::ffi::AnyBuffer>()                            \
+      .Arg<xla::ffi::AnyBuffer>()                            \
+      .Ret<xla::ffi::AnyBuffer>()                            \
+      .Ret<xla::ffi::AnyBuffer>()                            \
+      .Ret<xla::ffi::AnyBuffer>()                            \
+      .Ret<xla::ffi::AnyBuffer>()                            \
+      .Attr<int64_t>("table_id")                             \
+      .Attr<int64_t>("eos")                                  \
+      .Attr<int64_t>("vocab")                                \
+      .Attr<xla::ffi::Span<const int64_t>>("multipliers")    \
+      .Attr<xla::ffi::Span<const int64_t>>("head_sizes")     \
+      .Attr<xla::ffi::Span<const int64_t>>("head_offsets")
+
 // The operands and attributes of jaxflash_nvfp4_moe, bound alike by its CPU and CUDA handlers (after the CUDA
 // one's stream): ids, x, the operands' arrays, and its two outputs (jaxflash/ffi/nvfp4_moe.py).
 #define JAXFLASH_NVFP4_MOE_BINDING(bind)                   \

@@ -514,6 +514,5 @@ ffi::Error Nvfp4MoeCuda(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
 }  // namespace jaxflash
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashNvfp4MoeCuda, jaxflash::Nvfp4MoeCuda,
-                              JAXFLASH_NVFP4_MOE_BINDING(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              JAXFLASH_NVFP4_MOE_BINDING(JAXFLASH_CUDA_BIND),
                               {xla::ffi::Traits::kCmdBufferCompatible});
