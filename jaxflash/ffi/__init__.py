@@ -53,7 +53,7 @@ __all__ = [
     "GATHER_MODES", "ExpertCacheError", "ExpertLayout", "ExpertPool", "HostMemory", "LoadStats", "NgramHash",
     "NgramTable", "PinningWarning", "PleError", "PleStep", "Resolved", "cache_init", "check_info",
     "check_ple_info", "default_gather_mode", "expert_plan", "gather", "gather_start", "gather_wait",
-    "gathers_beside",    "handler_calls", "layer_prefixes",
+    "gathers_beside", "handler_calls", "layer_prefixes",
     "lru_expert_slots", "lru_state_fields", "lru_state_init", "lru_state_size", "module", "ngram_context_init",
     "normalize_dtype",
     "pinning_fits", "ple_step", "read_host_memory", "reset_handler_calls", "resolve", "uncaptured_copy",

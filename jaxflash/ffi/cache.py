@@ -132,10 +132,15 @@ def gather(misses, info, cache, *, pool, layer: int, mode: str = "auto") -> jax.
         mode = default_gather_mode(pool)
     if mode not in GATHER_MODES:
         raise ValueError(f"gather mode {mode!r}: expected 'auto' or one of {GATHER_MODES}")
+    target = "jaxflash_gather" if mode == "zero_copy" else "jaxflash_gather_memcpy"
+    return _gather_call(target, "gather", misses, info, cache, pool, layer)
+
+
+def _gather_call(target: str, who: str, misses, info, cache, pool, layer: int) -> jax.Array:
+    """One of the gather custom calls: misses and info in, the cache aliased to the output."""
     pool_id = int(getattr(pool, "id", pool))
     if pool_id <= 0:
-        raise ValueError("gather: the expert pool is closed")
-    target = "jaxflash_gather" if mode == "zero_copy" else "jaxflash_gather_memcpy"
+        raise ValueError(f"{who}: the expert pool is closed")
     cache = jnp.asarray(cache)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={2: 0})
     return call(jnp.asarray(misses, jnp.int32), jnp.asarray(info, jnp.int32), cache, pool_id=np.int64(pool_id),
@@ -155,16 +160,9 @@ def gather_start(misses, info, cache, *, pool, layer: int) -> jax.Array:
     everything enqueued before this call is done, while XLA's stream goes on. Until `gather_wait` the missed
     slots are being written: read only other slots in between. The CPU copies before returning."""
     _ext.module()
-    pool_id = int(getattr(pool, "id", pool))
-    if pool_id <= 0:
-        raise ValueError("gather_start: the expert pool is closed")
-    if not gathers_beside(pool):
+    if int(getattr(pool, "id", pool)) > 0 and not gathers_beside(pool):
         raise ValueError("gather_start needs a pinned pool on a GPU (the zero-copy kernel); use gather()")
-    cache = jnp.asarray(cache)
-    call = jax.ffi.ffi_call("jaxflash_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={2: 0})
-    return call(jnp.asarray(misses, jnp.int32), jnp.asarray(info, jnp.int32), cache, pool_id=np.int64(pool_id),
-                layer=np.int64(layer))
+    return _gather_call("jaxflash_gather_start", "gather_start", misses, info, cache, pool, layer)
 
 
 def gather_wait(cache, after, misses, info) -> tuple[jax.Array, jax.Array]:
