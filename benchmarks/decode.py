@@ -319,6 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hc-kernel", default="off",
                     help="comma-separated: off (the engine's default), on: the hyper-connection mix kernels "
                          "(jaxflash.kernels.hc_mix)")
+    ap.add_argument("--attention-kernel", default="auto",
+                    help="comma-separated: auto (the engine's default: the paged attention kernel on a GPU), on, "
+                         "off (XLA's attention)")
     ap.add_argument("--max-batch", default="",
                     help="comma-separated engine max_batch values (default: the batch); one larger than the batch "
                          "measures a lone request in a larger engine, which decodes in the smallest bucket holding it")
@@ -383,8 +386,11 @@ def main(argv=None) -> int:
     hc_kernels = args.hc_kernel.split(",")
     if not set(hc_kernels) <= {"off", "on"}:
         ap.error(f"--hc-kernel takes off and/or on, got {args.hc_kernel!r}")
-    for mode, batch, routing, kern, gdn_k, hc_k, want_mb, seq_len in itertools.product(
-            modes, batches, routings, kernels, gdn_kernels, hc_kernels, max_batches, seq_lens):
+    attn_kernels = args.attention_kernel.split(",")
+    if not set(attn_kernels) <= {"auto", "off", "on"}:
+        ap.error(f"--attention-kernel takes auto, off and/or on, got {args.attention_kernel!r}")
+    for mode, batch, routing, kern, gdn_k, hc_k, attn_k, want_mb, seq_len in itertools.product(
+            modes, batches, routings, kernels, gdn_kernels, hc_kernels, attn_kernels, max_batches, seq_lens):
         free, note = planner.device_free_bytes(dev)
         max_batch = max(batch, want_mb)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,
@@ -393,16 +399,18 @@ def main(argv=None) -> int:
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
         name = f"{mode}-b{batch}-{routing}" + {"auto": "", "off": "-jnp", "pallas": "-pallas", "cuda": "-cuda"}[kern]
         name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + ("-hck" if hc_k == "on" else "")
+        name += {"auto": "", "on": "-attnk", "off": "-xlaattn"}[attn_k]
         name += f"-mb{max_batch}" if max_batch != batch else ""
         name += f"-ctx{seq_len}" if len(seq_lens) > 1 else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
         configs.append((name, mode, batch, routing, plan, {"auto": None, "off": False}.get(kern, kern),
-                        {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on"))
+                        {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on",
+                        {"auto": None, "on": True, "off": False}[attn_k]))
     device_params = device_resident(model) if "device" in modes else None
 
     engines = []
-    for name, mode, batch, routing, plan, expert_kernel, gdn_kernel, hc_kernel in configs:
+    for name, mode, batch, routing, plan, expert_kernel, gdn_kernel, hc_kernel, attention_kernel in configs:
         feed = None
         if routing == "calibrated":
             from routing import RoutingModel
@@ -415,7 +423,7 @@ def main(argv=None) -> int:
         host = HostExperts(pool, layout, plan.cache_slots) if mode == "host" else None
         eng = Engine(cfg, device_params if mode == "device" else params, plan=plan, host_experts=host,
                      ngram=ngram, routing=feed, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
-                     hc_kernel=hc_kernel)
+                     hc_kernel=hc_kernel, attention_kernel=attention_kernel)
         for n in plan.notes:
             log(f"  {name}: plan: {n}")
         engines.append((name, eng))

@@ -21,6 +21,14 @@ def log(msg=""):
 
 def trace_kernels(fn, args, reps: int) -> tuple[float, int]:
     """(summed GPU kernel time in us, kernel count) per call of fn(*args), from a profiler trace of `reps` calls."""
+    total, n, _ = trace_kernels_by_name(fn, args, reps, top=0)
+    return total, n
+
+
+def trace_kernels_by_name(fn, args, reps: int, top: int = 14) -> tuple[float, int, list[tuple[str, float]]]:
+    """trace_kernels' figures and the `top` kernel names by GPU time per call (us)."""
+    import collections
+
     import jax
 
     d = tempfile.mkdtemp(prefix="kernel_trace_")
@@ -30,7 +38,10 @@ def trace_kernels(fn, args, reps: int) -> tuple[float, int]:
             out = fn(*args)
         jax.block_until_ready(out)
     ks = trace_parts.gpu_kernels(d)
-    return sum(float(e["dur"]) for e in ks) / reps, len(ks) // reps
+    by = collections.Counter()
+    for e in ks:
+        by[e["name"]] += float(e["dur"]) / reps
+    return sum(by.values()), len(ks) // reps, by.most_common(top) if top else []
 
 
 class Stepper:

@@ -59,6 +59,7 @@ KERNEL_PARTS = [
     ("nvfp4_grouped_gate_up", "routed experts"),  # prefill's grouped kernels (jaxflash/kernels/nvfp4_grouped.py)
     ("nvfp4_grouped_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
+    ("attention_decode", "attention"),  # the paged attention kernel (jaxflash/kernels/attention_decode.py)
 ]
 
 

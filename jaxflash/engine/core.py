@@ -24,7 +24,7 @@ import numpy as np
 from .. import ffi
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..kernels import gdn_decode, nvfp4_experts, on_gpu
+from ..kernels import attention_decode, gdn_decode, nvfp4_experts, on_gpu
 from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model import transformer
@@ -54,7 +54,7 @@ class Engine:
                  host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
                  gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
-                 draft_tokens: int = 1):
+                 draft_tokens: int = 1, attention_kernel: bool | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
         routing: fixed expert ids for generation instead of the routers' choice (runner.RoutingSource).
@@ -64,6 +64,8 @@ class Engine:
         gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
         model it takes; True elsewhere runs it in interpret mode). hc_kernel: run the decode steps'
         hyper-connection mixes in jaxflash.kernels.hc_mix (default off: on the H200 no faster than XLA's mix).
+        attention_kernel: decode and verify steps attend in jaxflash.kernels.attention_decode (None: on a GPU for a
+        model it takes; True elsewhere runs it in interpret mode).
         speculative, draft_tokens: see load."""
         self.config, self.params, self.host_table, self.checkpoint = config, params, host_table, checkpoint
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
@@ -76,6 +78,12 @@ class Engine:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
         self.hc_kernel = hc_kernel
+        attn_ok = attention_decode.takes(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 1,
+                                         params.dtype)
+        if attention_kernel and not attn_ok:
+            raise ValueError("attention_kernel=True: the attention kernel takes bfloat16 or float32 models with a "
+                             "power-of-two head dim and at most 64 query heads per KV head")
+        self.attention_kernel = on_gpu() and attn_ok if attention_kernel is None else attention_kernel
         self.draft_tokens = _draft_tokens(speculative, draft_tokens)
         self.speculative = speculative if self.draft_tokens else None
         if params.mtp is None:
@@ -196,7 +204,8 @@ class Engine:
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
                                 self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens,
-                                self.speculative, decode_drafts=self.mtp_drafts)
+                                self.speculative, decode_drafts=self.mtp_drafts,
+                                attention_kernel=self.attention_kernel)
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile (or load from the persistent compilation cache, see jaxflash.compile_cache) the programs that
@@ -299,7 +308,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          mtp_drafts: bool = False, device=None, progress: bool | None = None,
          routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
          gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
-         draft_tokens: int = 1) -> Engine:
+         draft_tokens: int = 1, attention_kernel: bool | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
 
@@ -324,6 +333,9 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     default: on a GPU where it applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps
     XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each
     (jaxflash.kernels.hc_mix; default off: on the H200 it ties XLA's mix at batch 1 and loses at larger batches).
+    attention_kernel: decode and verify steps attend over the paged KV cache in one kernel per layer
+    (jaxflash.kernels.attention_decode; default: on a GPU where it applies, bfloat16 or float32; True elsewhere
+    runs it in interpret mode, False keeps XLA's form).
     speculative: decode speculatively with up to draft_tokens (1 to 3) drafts per sequence and step, checked in
     one verify step; the output is what plain decoding gives, token for token (greedy, or sampled with the same
     seed). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
@@ -388,7 +400,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
         host_experts = HostExperts(pool, layout, plan.cache_slots)
     return Engine(cfg, params, host_table=table, checkpoint=ckpt, plan=plan, host_experts=host_experts,
                   mtp_drafts=mtp_drafts, routing=routing, expert_kernel=expert_kernel, gdn_kernel=gdn_kernel,
-                  hc_kernel=hc_kernel, speculative=speculative, draft_tokens=draft_tokens)
+                  hc_kernel=hc_kernel, speculative=speculative, draft_tokens=draft_tokens,
+                  attention_kernel=attention_kernel)
 
 
 SPECULATIVE = (None, "ngram", "mtp")  # the proposers (jaxflash.engine.speculative)

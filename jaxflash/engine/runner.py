@@ -100,6 +100,8 @@ class Setup:
     decode_drafts: bool = False  # plain decode steps also draft the token after next with the head (its logits,
     # for the acceptance statistics; needs mtp). Speculation does not need them: verify steps draft for the
     # next one, and a decode step of an MTP engine keeps the head's KV alone (see decode_step)
+    attention_kernel: bool = False  # decode and verify steps attend in jaxflash.kernels.attention_decode (the
+    # Engine turns it on on a GPU; elsewhere it runs in interpret mode, for tests)
 
     def __post_init__(self):
         if (self.speculative == "mtp" or self.decode_drafts) and not self.mtp:
@@ -274,7 +276,7 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
     experts = _step_experts(setup, st)
     h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
-                                           setup.gdn_kernel, setup.hc_kernel)
+                                           setup.gdn_kernel, setup.hc_kernel, attn_kernel=setup.attention_kernel)
     logits = final_logits(params, cfg, h[:, 0], setup.hc_kernel)
     with jax.named_scope("sampling"):
         lengths = st.seqs.lengths + n_new
@@ -329,7 +331,8 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     rows, _, ple_status = _ple_rows(setup, fed, ctx0, n_new)
     experts = _step_experts(setup, st)
     h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
-                                            setup.gdn_kernel, setup.hc_kernel, pending=True)
+                                            setup.gdn_kernel, setup.hc_kernel, pending=True,
+                                            attn_kernel=setup.attention_kernel)
     logits = final_logits(params, cfg, h, setup.hc_kernel)  # [B, K+1, V]
     with jax.named_scope("sampling"):
         tokens, accepted = verify(logits, sp.drafts, n_draft, st.sampling, st.seqs.lengths + 1)

@@ -1,18 +1,23 @@
 """Gated full attention with the QSA indexer (docs/model.md §8, §9): GQA, partial RoPE, q/k norms and a
 sigmoid output gate per (head, dim), over a paged KV cache.
 
-Steps of at most ATTEND_Q_BLOCK new tokens per sequence (decode, speculative verify: inside CUDA graphs, which
-capture no while loops) score all their queries against the whole cache at once (`attend`). Longer prefill
+Decode and verify steps may attend in jaxflash.kernels.attention_decode, which reads K and V in their pages
+(`attention`'s `kernel`). Otherwise steps of at most ATTEND_Q_BLOCK new tokens per sequence (decode, speculative
+verify: inside CUDA graphs, which capture no while loops) score all their queries against the whole cache at
+once (`attend`). Longer prefill
 chunks run `attend_blocked`: query blocks against key blocks with an online softmax, skipping the key blocks
 past the block's last position, so that the scores never exceed [n_heads, q_block, k_block]."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
+from ..kernels import attention_decode
 from . import qsa
 from .base import Array, TokenBatch, linear, pytree_dataclass, up
 from .norms import rms_norm
@@ -150,7 +155,7 @@ def read_pages(pages: Array, table_row: Array) -> Array:
     return got.reshape(-1, *pages.shape[2:])
 
 
-def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: PagedKV, *,
+def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: PagedKV, kernel: bool = False, *,
               q_block: int | None = None, k_block: int | None = None) -> tuple[Array, PagedKV]:
     """Attention for the new tokens x [B, T, H] of `batch`, after their keys and values join each sequence's
     pages. Returns ([B, T, H], updated cache). Each query sees every cached key at or before its position,
@@ -159,7 +164,9 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
     T <= q_block (default ATTEND_Q_BLOCK): `attend`, with [T, S] scores per head (S = the sequence's cache rows).
     Longer: `attend_blocked` over q_block x k_block (default ATTEND_K_BLOCK) blocks, with QSA's selection made
     per query block: per sequence, besides its gathered cache rows, 2 * n_heads * q_block * k_block score floats
-    and QSA's q_block * (indexer_n_heads * S / r floats + S bools), never [T, S]."""
+    and QSA's q_block * (indexer_n_heads * S / r floats + S bools), never [T, S].
+    kernel: steps of few tokens (attention_decode.takes) attend in jaxflash.kernels.attention_decode, which
+    reads K and V in their pages (compiled on a GPU, interpreted elsewhere); QSA's block choice stays here."""
     q_block = ATTEND_Q_BLOCK if q_block is None else q_block
     k_block = ATTEND_K_BLOCK if k_block is None else k_block
     b, t = x.shape[:2]
@@ -179,21 +186,39 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
         q_index, raw = jax.vmap(lambda xx, c, s: qsa.queries_and_raw_keys(p.indexer, cfg, xx, c, s))(x, cos, sin)
         kv = PagedKV(kv.k, kv.v, write_pages(kv.index_keys, page_table, positions, valid, raw))
 
-    def one(q_b, pos_b, valid_b, row, qi_b):
-        keys, values = read_pages(kv.k, row), read_pages(kv.v, row)
-        n_keys = keys.shape[0]
-        kb = None
-        if qi_b is not None:
-            kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_keys // cfg.indexer_compress_ratio)
-        if t > q_block:
-            select = None if kb is None else (lambda pos, qi: qsa.selection_mask(cfg, qi, kb, pos, n_keys))
-            return attend_blocked(q_b, keys, values, pos_b, valid_b, select, () if kb is None else (qi_b,),
-                                  q_block=q_block, k_block=k_block)
-        mask = pos_b[:, None] >= jnp.arange(n_keys)[None, :]
-        if kb is not None:
-            mask &= qsa.selection_mask(cfg, qi_b, kb, pos_b, n_keys)
-        return attend(q_b, keys, values, mask)
-
-    o = jax.vmap(one)(q, positions, valid, page_table, q_index).reshape(b, t, nh * hd)
+    if kernel and attention_decode.takes(nh, nkv, hd, t, kv.k.dtype):
+        chosen = None
+        r = cfg.indexer_compress_ratio
+        n_blocks = page_table.shape[1] * kv.k.shape[1] // r
+        if q_index is not None and n_blocks > 0:  # with no complete block every key is in the tail: no mask
+            def choice(qi_b, pos_b, row):
+                kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_blocks)
+                return qsa.block_choice(cfg, qi_b, kb, pos_b)
+            chosen = jax.vmap(choice)(q_index, positions, page_table)
+        o = attention_decode.paged_attention(q, kv.k, kv.v, page_table, positions, chosen,
+                                             r=r if chosen is not None else 1)
+    else:
+        o = jax.vmap(partial(_attend_sequence, p, cfg, kv, t, q_block, k_block))(q, positions, valid, page_table,
+                                                                                 q_index)
+    o = o.reshape(b, t, nh * hd)
     o = o * jax.nn.sigmoid(up(gate.reshape(b, t, nh * hd))).astype(o.dtype)
     return linear(o, p.o_proj), kv
+
+
+def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_block: int, k_block: int, q_b: Array,
+                     pos_b: Array, valid_b: Array, row: Array, qi_b: Array | None) -> Array:
+    """One sequence's attention (attention's path without the kernel) over its pages gathered in position
+    order: `attend` for at most q_block queries, `attend_blocked` beyond."""
+    keys, values = read_pages(kv.k, row), read_pages(kv.v, row)
+    n_keys = keys.shape[0]
+    kb = None
+    if qi_b is not None:
+        kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_keys // cfg.indexer_compress_ratio)
+    if t > q_block:
+        select = None if kb is None else (lambda pos, qi: qsa.selection_mask(cfg, qi, kb, pos, n_keys))
+        return attend_blocked(q_b, keys, values, pos_b, valid_b, select, () if kb is None else (qi_b,),
+                              q_block=q_block, k_block=k_block)
+    mask = pos_b[:, None] >= jnp.arange(n_keys)[None, :]
+    if kb is not None:
+        mask &= qsa.selection_mask(cfg, qi_b, kb, pos_b, n_keys)
+    return attend(q_b, keys, values, mask)

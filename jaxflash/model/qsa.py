@@ -43,26 +43,34 @@ def block_keys(p: Indexer, cfg: ModelConfig, raw_keys: Array, n_blocks: int) -> 
     return apply_rope(kb[:, None, :], cos, sin)[:, 0, :]
 
 
-def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_keys: int) -> Array:
-    """Bool [T, n_keys]: key position s is selected for the query at position q_pos[t].
+def block_choice(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array) -> Array:
+    """Bool [T, n_blocks]: the complete blocks the query at position q_pos[t] keeps.
 
     A query at position p sees nb = (p + 1) // r complete blocks. Scores are sum_h relu(q_h . k_b) / sqrt(dI);
-    the top min(block_topk, nb) blocks are kept, plus the tail positions r*nb .. p. Causality is not applied here.
-    Equal scores (common: a block whose every head product is negative scores exactly 0) go to the earlier
-    block; the reference's torch.topk breaks such ties in no documented order.
-    """
+    the top min(block_topk, nb) blocks are kept. Equal scores (common: a block whose every head product is
+    negative scores exactly 0) go to the earlier block; the reference's torch.topk breaks such ties in no
+    documented order."""
     r = cfg.indexer_compress_ratio
     n_blocks = kb.shape[0]
     visible = (q_pos + 1) // r  # complete blocks visible to each query
-    s = jnp.arange(n_keys)
-    tail = s[None, :] >= (visible * r)[:, None]
-    if n_blocks == 0:
-        return tail
     scores = jnp.einsum("thd,bd->thb", up(q_index), up(kb), precision=lax.Precision.HIGHEST)
     scores = jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
     valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
     k = min(cfg.block_topk, n_blocks)
-    chosen = top_k_mask(jnp.where(valid, scores, -jnp.inf), k) & valid
+    return top_k_mask(jnp.where(valid, scores, -jnp.inf), k) & valid
+
+
+def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_keys: int) -> Array:
+    """Bool [T, n_keys]: key position s is selected for the query at position q_pos[t]: s lies in a block that
+    block_choice keeps, or in the query's incomplete tail block (s >= r ((p + 1) // r)). Causality is not
+    applied here."""
+    r = cfg.indexer_compress_ratio
+    n_blocks = kb.shape[0]
+    s = jnp.arange(n_keys)
+    tail = s[None, :] >= ((q_pos + 1) // r * r)[:, None]
+    if n_blocks == 0:
+        return tail
+    chosen = block_choice(cfg, q_index, kb, q_pos)
     block_of_key = jnp.minimum(s // r, n_blocks - 1)
     in_chosen = jnp.where(s[None, :] < n_blocks * r, chosen[:, block_of_key], False)
     return in_chosen | tail

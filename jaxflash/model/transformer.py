@@ -76,14 +76,16 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
                   state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None,
-                  gdn_kernel: bool = False, hc_kernel: bool = False, pending: bool = False):
+                  gdn_kernel: bool = False, hc_kernel: bool = False, pending: bool = False,
+                  attn_kernel: bool = False):
     """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
     ple_rows [B, T, 16, d]: the n-gram rows of the new tokens (PLE layer only).
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
     gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`); hc_kernel:
-    the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`).
+    the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`); attn_kernel:
+    decode and verify steps attend in theirs (attention's `kernel`).
     pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPendingBatch, the PLE
     conv history) until `commit_layers` keeps each sequence's accepted tokens; the KV pages are written for
     every new token (positions past a sequence's length are never read, and later tokens overwrite them).
@@ -108,7 +110,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
             x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel)
         x = x.astype(dt)
         if is_attention:
-            y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer)
+            y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer, attn_kernel)
         else:
             y, mixer = gdn.gated_deltanet_batch(layer.mixer, cfg, x, state.mixer, n_new, gdn_kernel, pending)
         with jax.named_scope("hyper_connection"):
@@ -126,10 +128,10 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
 def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
                    ple_rows: Array | None, expert_ids: Array | None = None, gdn_kernel: bool = False,
-                   hc_kernel: bool = False, pending: bool = False):
+                   hc_kernel: bool = False, pending: bool = False, attn_kernel: bool = False):
     """Embedding and every decoder layer over the new tokens [B, T] of `batch`.
     states: a LayerState per decoder layer; expert_ids [L, B*T, k]: fixed routing per layer (None: the
-    routers'); gdn_kernel, hc_kernel, pending: see decoder_layer. Returns (h [B, T, W] before the final mixer,
+    routers'); gdn_kernel, hc_kernel, pending, attn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer,
     the updated states, the updated expert source, a Routing per layer)."""
     h = embed(params, cfg, tokens)
     new_states, routings = [], []
@@ -138,7 +140,7 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
             h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
                                               ple_rows if layer.ple is not None else None,
                                               None if expert_ids is None else expert_ids[i], gdn_kernel,
-                                              hc_kernel, pending)
+                                              hc_kernel, pending, attn_kernel)
         new_states.append(st)
         routings.append(r)
     return h, tuple(new_states), experts, tuple(routings)

@@ -1,0 +1,224 @@
+"""Attention of a decode or verify step over the paged KV cache in one kernel per layer (Pallas; Triton backend
+on a GPU), split over the keys.
+
+For each sequence b and KV head h, the queries of the step (T rows x the G = n_heads / n_kv query heads that
+share h) form one [M, d] block, M = T G rounded up to a power of two >= 16 (a tensor-core dimension). Program
+(b, h, c) of the grid sequences x KV heads x splits walks split c's keys, `block` at a time: it reads the page
+ids of those keys from the sequence's page-table row, loads their K and V rows where they lie in the cache
+(nothing is gathered to memory first), and keeps an online softmax (running max m, sum l and weighted values
+acc) of the scores q k^T / sqrt(d) under the mask
+
+    key s is seen by the query at position p  iff  s <= p  and  (no QSA, or s is in a block QSA kept, or s is
+    in p's incomplete tail block: s >= r ((p + 1) // r)),
+
+the mask of jaxflash.model.attention / qsa (QSA's block choice, [T, blocks] per sequence, comes in as data).
+It writes its split's (m, l, acc); `paged_attention` combines the splits in XLA (a few kilobytes per head).
+
+Why this shape: a decode step has one query row per sequence, so the work is reading K and V once, at the
+bandwidth of the memory. Splitting the keys gives the GPU programs for a single sequence; a program skips the
+key blocks after its sequence's last query position, so a short sequence in a long context bucket reads its
+own keys only (the XLA path reads the whole bucket and converts it to float32). Scores take the cache dtype's
+products with float32 sums (bfloat16 products are exact in float32), the softmax is float32, and the weights
+are rounded to V's dtype for the second product, as flash attention does (one bf16 rounding per weight, below
+the output's own bf16 rounding). Float32 models keep float32 products throughout.
+
+The pure-jnp twin is the model's own path (read_pages, the mask, attention.attend); tests run this kernel in
+interpret mode against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import compiler_params, on_gpu
+
+Array = jax.Array
+DTYPES = (jnp.bfloat16, jnp.float32)  # cache dtypes the kernel takes
+MAX_ROWS = 64  # T G per (sequence, KV head): one [M, d] query block in registers
+
+
+# Programs a call aims for when it picks its split: about two per SM of an H200 (132). A program's key blocks
+# run one after another, each waiting on its page ids before its K and V loads, so a long split is a chain of
+# latencies; more, shorter splits run side by side (their combine costs M d floats each).
+TARGET_PROGRAMS = 256
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """block: keys per loop step; split: keys per program (a multiple of block; 0: as many splits as give
+    about TARGET_PROGRAMS programs); warps, stages: Triton's."""
+
+    block: int = 64
+    split: int = 0
+    warps: int = 4
+    stages: int = 2
+
+    def fit(self, n_keys: int, rows: int, parallel: int) -> Tiles:
+        """For n_keys keys per sequence, `rows` query rows per (sequence, KV head) and `parallel` (sequence, KV
+        head) pairs. Blocks of 64 keys with 64 query rows ask for more shared memory than an H200 has (320 KB
+        at head dim 256): 32 from 64 rows on."""
+        block = min(self.block, _pow2_ceil(n_keys), 32 if rows >= 64 else self.block)
+        split = self.split or -(-n_keys // max(1, TARGET_PROGRAMS // parallel))
+        split = max(block, min(split, -(-n_keys // block) * block))
+        return Tiles(block, -(-split // block) * block, self.warps, self.stages)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())
+
+
+def takes(n_heads: int, n_kv: int, head_dim: int, rows: int, dtype) -> bool:
+    """Whether the kernel runs this attention: T = rows query tokens per sequence, G heads per KV head with
+    T G <= MAX_ROWS, a power-of-two head dim >= 16 and a supported cache dtype."""
+    g = n_heads // n_kv
+    pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return jnp.dtype(dtype) in DTYPES and pow2 and n_heads % n_kv == 0 and rows * g <= MAX_ROWS
+
+
+def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, page: int,
+            n_pages: int, n_kv: int, d: int, t: Tiles, g: int, t_new: int, r: int, n_blocks: int, qsa: bool):
+    f32 = jnp.float32
+    h, c = pl.program_id(1), pl.program_id(2)
+    q = q_ref[...]  # [M, d]
+    pos = pos_ref[...]  # [M]: each row's query position, -1 for padding rows
+    m_rows = pos.shape[0]
+    scale = d ** -0.5
+    # key blocks holding a key at or before the last query; this program's share of them
+    last = jnp.max(pos)
+    needed = (last + t.block) // t.block
+    lo = c * (t.split // t.block)
+    hi = jnp.minimum(lo + t.split // t.block, needed)
+    cols = jnp.arange(d, dtype=jnp.int32)[None, :]
+    if qsa:
+        t_row = jnp.minimum(jnp.arange(m_rows, dtype=jnp.int32) // g, t_new - 1)  # each row's query token
+        visible = (pos + 1) // r  # complete QSA blocks each row sees; blocks from there on are its tail
+
+    def step(j, carry):
+        m, l, acc = carry
+        s_idx = j * t.block + jnp.arange(t.block, dtype=jnp.int32)  # the block's key positions
+        # keys past the table (a block that overhangs the context) are masked: any page will do
+        page_id = jnp.clip(table_ref[jnp.minimum(s_idx // page, table_ref.shape[0] - 1)], 0, n_pages - 1)
+        row = (page_id * page + s_idx - s_idx // page * page) * n_kv + h  # its row in the cache as [P page n_kv, d]
+        at = row[:, None] * d + cols
+        k, v = k_ref[at], v_ref[at]  # [block, d]
+        # rows past the last query are stale or another page's: masked below, but a weight of 0 times a NaN
+        # there would still be NaN
+        v = jnp.where((s_idx <= last)[:, None], v, jnp.zeros_like(v))
+        s = _dot_t(q, k) * scale  # [M, block]
+        see = s_idx[None, :] <= pos[:, None]
+        if qsa:
+            blk = s_idx // r
+            kept = chosen_ref[t_row[:, None] * n_blocks + jnp.minimum(blk, n_blocks - 1)[None, :]] != 0
+            see &= (blk[None, :] >= visible[:, None]) | kept
+        s = jnp.where(see, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet: no -inf - -inf
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[:, None])
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+                                 preferred_element_type=f32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    init = (jnp.full((m_rows,), -jnp.inf, f32), jnp.zeros((m_rows,), f32), jnp.zeros((m_rows, d), f32))
+    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, init)
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def _precision(dtype):
+    """Float32 inputs in full precision (the tensor cores would take TF32); other dtypes' products are exact."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b [n, k]^T with float32 sums."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a.dtype),
+                               preferred_element_type=jnp.float32)
+
+
+@partial(jax.jit, static_argnames=("r", "tiles", "interpret"))
+def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, *, r: int, tiles: Tiles,
+                     interpret: bool):
+    b, t_new, nh, d = q.shape
+    n_pages, page, n_kv = k_pages.shape[:3]
+    g = nh // n_kv
+    n_keys = page_table.shape[1] * page
+    m_rows = _pow2_ceil(t_new * g)
+    t = tiles.fit(n_keys, m_rows, b * n_kv)
+    n_splits = -(-n_keys // t.split)
+    # query rows per (sequence, KV head): token-major, then the G heads of that KV head; padding rows at -1
+    qm = q.astype(k_pages.dtype).reshape(b, t_new, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, -1, d)
+    qm = jnp.pad(qm, ((0, 0), (0, 0), (0, m_rows - t_new * g), (0, 0)))
+    pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), g, axis=1), ((0, 0), (0, m_rows - t_new * g)),
+                  constant_values=-1)
+    qsa = chosen is not None
+    n_blocks = chosen.shape[-1] if qsa else 1
+    chosen = (chosen.astype(jnp.int32).reshape(b, -1) if qsa else jnp.zeros((b, 1), jnp.int32))
+    kernel = partial(_kernel, page=page, n_pages=n_pages, n_kv=n_kv, d=d, t=t, g=g, t_new=t_new, r=r,
+                     n_blocks=n_blocks, qsa=qsa)
+
+    def seq(shape):  # sequence b's block
+        return pl.BlockSpec((None,) + shape, lambda i, h, c: (i,) + (0,) * len(shape))
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda i, h, c: (0,) * len(shape))
+
+    def out(shape):  # program (b, h, c)'s block of an output [B, n_kv, splits, ...]
+        return pl.BlockSpec((None, None, None) + shape, lambda i, h, c: (i, h, c) + (0,) * len(shape))
+
+    flat = (n_pages * page * n_kv * d,)
+    f32 = jnp.float32
+    m, l, acc = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, n_kv, n_splits, m_rows), f32),
+                   jax.ShapeDtypeStruct((b, n_kv, n_splits, m_rows), f32),
+                   jax.ShapeDtypeStruct((b, n_kv, n_splits, m_rows, d), f32)),
+        grid=(b, n_kv, n_splits),
+        in_specs=[seq(page_table.shape[1:]), seq((m_rows,)), seq(chosen.shape[1:]),
+                  pl.BlockSpec((None, None, m_rows, d), lambda i, h, c: (i, h, 0, 0)), whole(flat), whole(flat)],
+        out_specs=(out((m_rows,)), out((m_rows,)), out((m_rows, d))),
+        compiler_params=compiler_params(interpret, t.warps, t.stages),
+        interpret=interpret, name="attention_decode",
+    )(page_table.astype(jnp.int32), pos, chosen, qm, k_pages.reshape(flat), v_pages.reshape(flat))
+    # the splits' softmaxes as one: weights exp(m_c - max_c m_c); a row that saw no key gives 0
+    top = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))
+    den = jnp.sum(w * l, axis=2)
+    o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]  # [B, n_kv, M, d]
+    o = o[:, :, : t_new * g].reshape(b, n_kv, t_new, g, d).transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t_new, nh, d).astype(q.dtype)
+
+
+def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, positions: Array,
+                    chosen: Array | None = None, *, r: int = 1, tiles: Tiles = Tiles(),
+                    interpret: bool | None = None) -> Array:
+    """softmax(q k^T / sqrt(d) | mask) v for the queries q [B, T, n_heads, d] at positions [B, T] of B
+    sequences over their pages (k_pages, v_pages [P, page, n_kv, d]; page_table [B, max_pages], ids outside
+    [0, P) read as some page, which the mask hides when the sequence never wrote there: attention.PagedKV).
+
+    chosen [B, T, n_keys / r] bool: QSA's kept complete blocks of r keys per query (qsa.block_choice), or None
+    for causal attention over every earlier key. Returns [B, T, n_heads, d] in q's dtype; a query at position
+    -1 sees nothing and gives 0. interpret: default on anything but a GPU; tiles: see Tiles."""
+    b, t_new, nh, d = q.shape
+    n_kv = k_pages.shape[2]
+    if not takes(nh, n_kv, d, t_new, k_pages.dtype):
+        raise ValueError(f"the attention kernel does not take {t_new} tokens x {nh} heads over {n_kv} KV heads of "
+                         f"dim {d} in {k_pages.dtype} (at most {MAX_ROWS} rows per KV head, a power-of-two dim)")
+    n_keys = page_table.shape[1] * k_pages.shape[1]
+    if k_pages.size >= 2 ** 31:
+        raise ValueError(f"a KV cache of {k_pages.size} entries: the kernel indexes it in int32")
+    if chosen is not None and chosen.shape != (b, t_new, n_keys // r):
+        raise ValueError(f"QSA's choice {chosen.shape} is not [{b}, {t_new}, {n_keys // r}] (blocks of {r} keys)")
+    if tiles.block < 16 or tiles.block & (tiles.block - 1) or tiles.split < 0:
+        raise ValueError(f"tiles {tiles}: block must be a power of two >= 16, split >= 0")
+    return _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, r=r, tiles=tiles,
+                            interpret=not on_gpu() if interpret is None else interpret)
+
+
+__all__ = ["MAX_ROWS", "Tiles", "paged_attention", "takes"]
