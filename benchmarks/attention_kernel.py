@@ -148,8 +148,8 @@ def main(argv=None) -> int:
         programs += [("layer", "xla", lambda: layer_program(False), kv_bytes + weight_bytes + index_bytes),
                      ("layer", "kernel", lambda: layer_program(True), kv_bytes + weight_bytes + index_bytes)]
         # numerics of one layer on the same input (chained layers would compound both paths' roundings)
-        one = jax.jit(lambda kv, kernel: attn.attention(layers[0], cfg, x, batch, kv, kernel)[0], static_argnums=1)
-        err = rel_err(one(caches0[0], True), one(caches0[0], False))
+        one = jax.jit(lambda p, xx, bt, kv, kernel: attn.attention(p, cfg, xx, bt, kv, kernel)[0], static_argnums=4)
+        err = rel_err(one(layers[0], x, batch, caches0[0], True), one(layers[0], x, batch, caches0[0], False))
         res["numerics"].append({"case": case, "scope": "layer", "variant": "kernel", "rel_err": err})
         xla_core = None
         for scope, name, make, nbytes in programs:
