@@ -119,8 +119,7 @@ def main(argv=None) -> int:
             keys = jnp.arange(span)
 
             def one(q_b, pos_b, row, ch_b):
-                mask = pos_b[:, None] >= keys[None, :]
-                mask &= (keys[None, :] >= ((pos_b + 1) // r * r)[:, None]) | ch_b[:, keys // r]
+                mask = (pos_b[:, None] >= keys[None, :]) & qsa.choice_mask(r, ch_b, pos_b, span)
                 return attn.attend(q_b, attn.read_pages(kv.k, row), attn.read_pages(kv.v, row), mask)
             return jax.vmap(one)(q, batch.positions, table, chosen)
 

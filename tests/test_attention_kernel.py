@@ -24,6 +24,7 @@ from jaxflash.config import FULL_ATTENTION
 from jaxflash.kernels import attention_decode as ad
 from jaxflash.kernels import on_gpu
 from jaxflash.model import attention as attn
+from jaxflash.model import qsa
 from jaxflash.model.base import TokenBatch
 
 from numerics import rel_err
@@ -41,8 +42,7 @@ def twin(q, k_pages, v_pages, table, positions, chosen, r):
         pos = positions[b]
         mask = pos[:, None] >= s[None, :]
         if chosen is not None:
-            tail = s[None, :] >= ((pos + 1) // r * r)[:, None]
-            mask &= tail | chosen[b][:, s // r]
+            mask &= qsa.choice_mask(r, chosen[b], pos, n_keys)
         out.append(attn.attend(q[b], attn.read_pages(k_pages, table[b]), attn.read_pages(v_pages, table[b]), mask))
     return jnp.stack(out)
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu
+from . import compiler_params, dot, on_gpu
 
 Array = jax.Array
 DTYPES = (jnp.bfloat16, jnp.float32)  # cache dtypes the kernel takes
@@ -109,7 +109,7 @@ def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, a
         # rows past the last query are stale or another page's: masked below, but a weight of 0 times a NaN
         # there would still be NaN
         v = jnp.where((s_idx <= last)[:, None], v, jnp.zeros_like(v))
-        s = _dot_t(q, k) * scale  # [M, block]
+        s = dot(q, k, 1) * scale  # [M, block]
         see = s_idx[None, :] <= pos[:, None]
         if qsa:
             blk = s_idx // r
@@ -120,8 +120,7 @@ def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, a
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet: no -inf - -inf
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[:, None])
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
-                                 preferred_element_type=f32)
+        pv = dot(p.astype(v.dtype), v, 0)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     init = (jnp.full((m_rows,), -jnp.inf, f32), jnp.zeros((m_rows,), f32), jnp.zeros((m_rows, d), f32))
@@ -129,17 +128,6 @@ def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, a
     m_ref[...] = m
     l_ref[...] = l
     acc_ref[...] = acc
-
-
-def _precision(dtype):
-    """Float32 inputs in full precision (the tensor cores would take TF32); other dtypes' products are exact."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _dot_t(a, b):
-    """a [m, k] @ b [n, k]^T with float32 sums."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a.dtype),
-                               preferred_element_type=jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("r", "tiles", "interpret"))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu
+from . import compiler_params, dot, on_gpu
 from .nvfp4_experts import _TWO14, NVFP4_GROUP, Part, Placement, _global_scale, _pow2_divisor, _unpack, is_nvfp4
 
 Array = jax.Array
@@ -82,12 +82,6 @@ def _weights(refs, codes: Part, scales: Part, e, s2, row0, rows: int, in_dim: in
     return (((lo * _TWO14) * sc) * s2).astype(dt), (((hi * _TWO14) * sc) * s2).astype(dt)
 
 
-def _dot_t(a, b):
-    """a [m, k] @ b[n, k]^T in float32 (float32 inputs in full precision: the tensor cores would take TF32)."""
-    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-
-
 def _gate_up_kernel(ids_ref, xe_ref, xo_ref, *refs, place: Placement, tile: int, t: GroupTiles):
     *w, act_ref = refs
     e = ids_ref[pl.program_id(0)]
@@ -106,7 +100,7 @@ def _gate_up_kernel(ids_ref, xe_ref, xo_ref, *refs, place: Placement, tile: int,
                                 t.bytes_gu, dt)
             ulo, uhi = _weights(w, place.up, place.up_scale, e, u_s2, row0, t.rows_gu, place.hidden, b0,
                                 t.bytes_gu, dt)
-            return (acc[0] + _dot_t(xe, glo) + _dot_t(xo, ghi), acc[1] + _dot_t(xe, ulo) + _dot_t(xo, uhi))
+            return (acc[0] + dot(xe, glo, 1) + dot(xo, ghi, 1), acc[1] + dot(xe, ulo, 1) + dot(xo, uhi, 1))
 
         zero = jnp.zeros((tile, t.rows_gu), jnp.float32)
         g, u = jax.lax.fori_loop(0, place.hidden // 2 // t.bytes_gu, step, (zero, zero))
@@ -138,7 +132,7 @@ def _down_kernel(ids_ref, ae_ref, ao_ref, *refs, place: Placement, tile: int, t:
             ae, ao = ae_ref[rows, pl.ds(b0, t.bytes_down)], ao_ref[rows, pl.ds(b0, t.bytes_down)]
             lo, hi = _weights(w, place.down, place.down_scale, e, s2, row0, t.rows_down, place.inter, b0,
                               t.bytes_down, dt)
-            return acc + _dot_t(ae, lo) + _dot_t(ao, hi)
+            return acc + dot(ae, lo, 1) + dot(ao, hi, 1)
 
         acc = jax.lax.fori_loop(0, place.inter // 2 // t.bytes_down, step,
                                 jnp.zeros((tile, t.rows_down), jnp.float32))

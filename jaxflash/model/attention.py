@@ -188,15 +188,12 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
 
     if kernel and attention_decode.takes(nh, nkv, hd, t, kv.k.dtype):
         chosen = None
-        r = cfg.indexer_compress_ratio
-        n_blocks = page_table.shape[1] * kv.k.shape[1] // r
-        if q_index is not None and n_blocks > 0:  # with no complete block every key is in the tail: no mask
-            def choice(qi_b, pos_b, row):
-                kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_blocks)
-                return qsa.block_choice(cfg, qi_b, kb, pos_b)
-            chosen = jax.vmap(choice)(q_index, positions, page_table)
+        n_keys = page_table.shape[1] * kv.k.shape[1]
+        if q_index is not None and n_keys >= cfg.indexer_compress_ratio:  # else every key is in the tail
+            chosen = jax.vmap(lambda qi_b, pos_b, row: qsa.block_choice(cfg, qi_b, _block_keys(p, cfg, kv, row),
+                                                                        pos_b))(q_index, positions, page_table)
         o = attention_decode.paged_attention(q, kv.k, kv.v, page_table, positions, chosen,
-                                             r=r if chosen is not None else 1)
+                                             r=cfg.indexer_compress_ratio)
     else:
         o = jax.vmap(partial(_attend_sequence, p, cfg, kv, t, q_block, k_block))(q, positions, valid, page_table,
                                                                                  q_index)
@@ -211,9 +208,7 @@ def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_bloc
     order: `attend` for at most q_block queries, `attend_blocked` beyond."""
     keys, values = read_pages(kv.k, row), read_pages(kv.v, row)
     n_keys = keys.shape[0]
-    kb = None
-    if qi_b is not None:
-        kb = qsa.block_keys(p.indexer, cfg, read_pages(kv.index_keys, row), n_keys // cfg.indexer_compress_ratio)
+    kb = None if qi_b is None else _block_keys(p, cfg, kv, row)
     if t > q_block:
         select = None if kb is None else (lambda pos, qi: qsa.selection_mask(cfg, qi, kb, pos, n_keys))
         return attend_blocked(q_b, keys, values, pos_b, valid_b, select, () if kb is None else (qi_b,),
@@ -222,3 +217,9 @@ def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_bloc
     if kb is not None:
         mask &= qsa.selection_mask(cfg, qi_b, kb, pos_b, n_keys)
     return attend(q_b, keys, values, mask)
+
+
+def _block_keys(p: Attention, cfg: ModelConfig, kv: PagedKV, row: Array) -> Array:
+    """QSA's keys of every complete block of a sequence's pages (page-table row `row`)."""
+    raw = read_pages(kv.index_keys, row)
+    return qsa.block_keys(p.indexer, cfg, raw, raw.shape[0] // cfg.indexer_compress_ratio)

@@ -61,16 +61,21 @@ def block_choice(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array) -> A
 
 
 def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_keys: int) -> Array:
-    """Bool [T, n_keys]: key position s is selected for the query at position q_pos[t]: s lies in a block that
-    block_choice keeps, or in the query's incomplete tail block (s >= r ((p + 1) // r)). Causality is not
-    applied here."""
-    r = cfg.indexer_compress_ratio
-    n_blocks = kb.shape[0]
+    """Bool [T, n_keys]: key position s is selected for the query at position q_pos[t] (choice_mask of
+    block_choice). Causality is not applied here."""
+    t = q_pos.shape[0]
+    chosen = jnp.zeros((t, 0), bool) if kb.shape[0] == 0 else block_choice(cfg, q_index, kb, q_pos)
+    return choice_mask(cfg.indexer_compress_ratio, chosen, q_pos, n_keys)
+
+
+def choice_mask(r: int, chosen: Array, q_pos: Array, n_keys: int) -> Array:
+    """Bool [T, n_keys] from a choice of complete blocks of r keys ([T, n_blocks]): key s lies in a kept block,
+    or in the query's incomplete tail block (s >= r ((p + 1) // r))."""
+    n_blocks = chosen.shape[-1]
     s = jnp.arange(n_keys)
     tail = s[None, :] >= ((q_pos + 1) // r * r)[:, None]
     if n_blocks == 0:
         return tail
-    chosen = block_choice(cfg, q_index, kb, q_pos)
     block_of_key = jnp.minimum(s // r, n_blocks - 1)
     in_chosen = jnp.where(s[None, :] < n_blocks * r, chosen[:, block_of_key], False)
     return in_chosen | tail
