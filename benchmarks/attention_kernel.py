@@ -76,8 +76,8 @@ def main(argv=None) -> int:
         ks = jax.random.split(key, 9)
         indexer = qsa.Indexer(index_qk_proj=rnd(ks[0], ((ni + 1) * di, h), 0.02), q_norm=1 + rnd(ks[1], (di,), 0.1),
                               k_norm=1 + rnd(ks[2], (di,), 0.1))
-        return attn.Attention(q_proj=rnd(ks[3], (nh * 2 * hd, h), 0.02), k_proj=rnd(ks[4], (nkv * hd, h), 0.02),
-                              v_proj=rnd(ks[5], (nkv * hd, h), 0.02), o_proj=rnd(ks[6], (h, nh * hd), 0.02),
+        return attn.Attention(qkv_proj=rnd(ks[3], (nh * 2 * hd + 2 * nkv * hd, h), 0.02),
+                              o_proj=rnd(ks[6], (h, nh * hd), 0.02),
                               q_norm=1 + rnd(ks[7], (hd,), 0.1), k_norm=1 + rnd(ks[8], (hd,), 0.1), indexer=indexer)
 
     layers = [one_layer(k) for k in jax.random.split(jax.random.PRNGKey(0), L)]

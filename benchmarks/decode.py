@@ -316,9 +316,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gdn-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the GDN decode kernel, "
                          "jaxflash.kernels.gdn_decode, on a GPU), on, off (XLA's form)")
-    ap.add_argument("--hc-kernel", default="off",
-                    help="comma-separated: off (the engine's default), on: the hyper-connection mix kernels "
-                         "(jaxflash.kernels.hc_mix)")
+    ap.add_argument("--hc-kernel", default="auto",
+                    help="comma-separated: auto (the engine's default: the hyper-connection mix kernels, "
+                         "jaxflash.kernels.hc_mix, for steps of hc_mix.FASTER_ROWS rows on a GPU), on (every step "
+                         "they take), off (XLA's mix)")
     ap.add_argument("--attention-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the paged attention kernel on a GPU), on, "
                          "off (XLA's attention)")
@@ -384,8 +385,8 @@ def main(argv=None) -> int:
     if not set(gdn_kernels) <= {"auto", "off", "on"}:
         ap.error(f"--gdn-kernel takes auto, off and/or on, got {args.gdn_kernel!r}")
     hc_kernels = args.hc_kernel.split(",")
-    if not set(hc_kernels) <= {"off", "on"}:
-        ap.error(f"--hc-kernel takes off and/or on, got {args.hc_kernel!r}")
+    if not set(hc_kernels) <= {"auto", "off", "on"}:
+        ap.error(f"--hc-kernel takes auto, off and/or on, got {args.hc_kernel!r}")
     attn_kernels = args.attention_kernel.split(",")
     if not set(attn_kernels) <= {"auto", "off", "on"}:
         ap.error(f"--attention-kernel takes auto, off and/or on, got {args.attention_kernel!r}")
@@ -398,14 +399,14 @@ def main(argv=None) -> int:
                             max_seq_len=seq_len, prefill_chunk=args.prefill_chunk,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
         name = f"{mode}-b{batch}-{routing}" + {"auto": "", "off": "-jnp", "pallas": "-pallas", "cuda": "-cuda"}[kern]
-        name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + ("-hck" if hc_k == "on" else "")
+        name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + {"auto": "", "on": "-hck", "off": "-xlahc"}[hc_k]
         name += {"auto": "", "on": "-attnk", "off": "-xlaattn"}[attn_k]
         name += f"-mb{max_batch}" if max_batch != batch else ""
         name += f"-ctx{seq_len}" if len(seq_lens) > 1 else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
         configs.append((name, mode, batch, routing, plan, {"auto": None, "off": False}.get(kern, kern),
-                        {"auto": None, "on": True, "off": False}[gdn_k], hc_k == "on",
+                        {"auto": None, "on": True, "off": False}[gdn_k], {"auto": None, "on": True, "off": False}[hc_k],
                         {"auto": None, "on": True, "off": False}[attn_k]))
     device_params = device_resident(model) if "device" in modes else None
 

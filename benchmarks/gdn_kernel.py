@@ -65,8 +65,7 @@ def main(argv=None) -> int:
     def one_layer(key):  # separate buffers per layer, as the engine holds them (slices of a stack would copy)
         ks = jax.random.split(key, 9)
         return gdn.GatedDeltaNet(
-            in_proj_qkv=rnd(ks[0], (c, h), 0.02), in_proj_z=rnd(ks[1], (hv * dv, h), 0.02),
-            in_proj_b=rnd(ks[2], (hv, h), 0.02), in_proj_a=rnd(ks[3], (hv, h), 0.02),
+            in_proj=rnd(ks[0], (c + hv * dv + 2 * hv, h), 0.02),
             conv1d=rnd(ks[4], (c, k), 0.3), dt_bias=rnd(ks[5], (hv,), 0.5), A_log=rnd(ks[6], (hv,), 0.5),
             norm=1 + rnd(ks[7], (dv,), 0.1), out_proj=rnd(ks[8], (h, hv * dv), 0.02))
 

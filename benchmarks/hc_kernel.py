@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The hyper-connection mix kernels (jaxflash/kernels/hc_mix.py) against XLA's forms of the same mix,
-full-size shapes: "xla" is the model's mix (hyper_connection.mix: its bf16 weights multiply the three bf16
-parts of the float32 input in one dot), "xla-f32" the same mix with the weights widened to float32 first
-(the model's form before that dot).
+full-size shapes: "xla" is the model's mix (hyper_connection.mix: from SPLIT_ROWS rows its bf16 weights
+multiply the three bf16 parts of the float32 input in one dot), "xla-f32" the same mix with the weights
+widened to float32 first (the model's form at 1 row). Each kernel variant runs twice: with XLA's combine
+after each mix, and "-fused" with each combine inside the next mix's first kernel (combine_mix).
 
 M mixes with their combines chained in one jitted program (h <- combine(h, inj, x) after mix m, as the decode
 step alternates them), each mix with its own weights (the decode step has 97: two per layer and the final
@@ -25,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels, wall_us  # noqa: E402
+from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels_by_name, wall_us  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,8 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
     ap.add_argument("--mixes", type=int, default=96, help="mixes (and combines) chained in one program")
     ap.add_argument("--rows", default="1,8", help="comma-separated token row counts")
-    ap.add_argument("--variants", default="4:16:4,8:16:4,2:16:4,4:8:4,4:32:4,4:16:8",
-                    help="comma-separated kernel variants block_r:block_h:warps")
+    ap.add_argument("--variants", default="4:8:4:1,2:8:4:1,8:8:4:1,4:16:4:1,4:8:8:1,8:16:8:5,4:8:4:5",
+                    help="comma-separated kernel variants block_r:block_h:warps[:splits], each run with its "
+                         "combine separate and fused into the next mix")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -62,21 +64,29 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.PRNGKey(0), args.mixes + 1)
     mixes = [one(keys[i]) for i in range(args.mixes)]
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(mixes[0]))
-    variants = [tuple(int(n) for n in v.split(":")) for v in args.variants.split(",")]
+    variants = [(tuple(int(n) for n in v.split(":")) + (1,))[:4] for v in args.variants.split(",")]
 
-    def program(variant):
+    def program(variant, fused=False):
+        """The chain of mixes and combines; fused: each combine runs inside the next mix's kernels
+        (hyper_connection.combine_mix), as the decode step does within a layer."""
+        def mix(m, h, pending):
+            if variant is None or variant == "f32":
+                m = m if variant is None else jax.tree.map(lambda a: a.astype(jnp.float32), m)
+                if pending is not None:
+                    h = hc.combine(h, *pending)
+                return (*hc.mix(m, h, s, eps), h)
+            br, bh, warps, splits = variant
+            return hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, pending=pending, block_r=br,
+                              block_h=bh, warps=warps, splits=splits)
+
         def run(ms, h):
+            pending = None
             for m in ms:
-                if variant is None:
-                    x, inj = hc.mix(m, h, s, eps)
-                elif variant == "f32":
-                    x, inj = hc.mix(jax.tree.map(lambda a: a.astype(jnp.float32), m), h, s, eps)
-                else:
-                    br, bh, warps = variant
-                    x, inj = hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, block_r=br, block_h=bh,
-                                        warps=warps)
-                h = hc.combine(h, inj, x)
-            return h
+                x, inj, h = mix(m, h, pending)
+                pending = (inj, x)
+                if not fused:
+                    h, pending = hc.combine(h, *pending), None
+            return h if pending is None else hc.combine(h, *pending)
         return jax.jit(run)
 
     res = {"device": str(dev.device_kind), "jax": jax.__version__, "python": platform.python_version(),
@@ -84,22 +94,28 @@ def main(argv=None) -> int:
     for rows in [int(n) for n in args.rows.split(",")]:
         h = jax.random.normal(keys[-1], (rows, w), jnp.float32)
         ref = program(None)(mixes, h)
-        cases = [("xla", None), ("xla-f32", "f32")] + [(f"kernel-r{v[0]}-h{v[1]}-w{v[2]}", v) for v in variants]
-        for name, variant in cases:
-            fn = program(variant)
+        cases = [("xla", None, False), ("xla-f32", "f32", False)]
+        for v in variants:
+            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3]}"
+            cases += [(name, v, False), (name + "-fused", v, True)]
+        for name, variant, fused in cases:
+            fn = program(variant, fused)
             err = rel_err(fn(mixes, h), ref) if variant is not None else 0.0
             wall = wall_us(fn, (mixes, h), args.reps) / args.mixes
             run = {"rows": rows, "variant": name, "err_vs_model": err, "wall_us_per_mix": wall,
                    "floor_us": weight_bytes / COPY_CEILING * 1e6}
-            line = f"  {rows} row(s) {name:20s}: error vs the model's mix {err:.1e}, wall {wall:7.2f} us/mix"
+            line = f"  {rows} row(s) {name:30s}: error vs the model's mix {err:.1e}, wall {wall:7.2f} us/mix"
             if on_gpu():
-                kus, n = trace_kernels(fn, (mixes, h), max(2, args.reps // 4))
+                kus, n, top = trace_kernels_by_name(fn, (mixes, h), max(2, args.reps // 4), top=4)
                 run.update(kernel_us_per_mix=kus / args.mixes, kernels_per_mix=n / args.mixes,
-                           fraction_of_hbm=weight_bytes / (kus / args.mixes * 1e-6) / COPY_CEILING)
+                           fraction_of_hbm=weight_bytes / (kus / args.mixes * 1e-6) / COPY_CEILING,
+                           top_kernels_us_per_mix=[(k, t / args.mixes) for k, t in top])
                 line += (f", GPU {kus / args.mixes:6.2f} us/mix (with its combine) in {n / args.mixes:.1f} "
                          f"kernels; {weight_bytes / 1e6:.2f} MB -> floor {run['floor_us']:.2f} us, "
                          f"{run['fraction_of_hbm']:.1%} of 4.2 TB/s")
             log(line)
+            if on_gpu():
+                log("      " + "; ".join(f"{k[:40]} {t:.2f}" for k, t in run["top_kernels_us_per_mix"]))
             res["runs"].append(run)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -60,6 +60,7 @@ KERNEL_PARTS = [
     ("nvfp4_grouped_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
     ("attention_decode", "attention"),  # the paged attention kernel (jaxflash/kernels/attention_decode.py)
+    ("hc_mix", "hyper-connections"),  # the mix kernels (jaxflash/kernels/hc_mix.py), the final mixer's included
 ]
 
 

@@ -10,6 +10,8 @@ graphs) keep the unblocked path, which has no loops. Tolerances, relative to the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +35,7 @@ def random_attention(rng, cfg, dt) -> attn.Attention:
         return jnp.asarray(rng.normal(size=shape) * scale, dt)
 
     indexer = qsa.Indexer(index_qk_proj=arr((ni + 1) * di, h), q_norm=arr(di, scale=1.0), k_norm=arr(di, scale=1.0))
-    return attn.Attention(q_proj=arr(nh * 2 * hd, h), k_proj=arr(nkv * hd, h), v_proj=arr(nkv * hd, h),
+    return attn.Attention(qkv_proj=arr(nh * 2 * hd + 2 * nkv * hd, h),
                           o_proj=arr(h, nh * hd), q_norm=arr(hd, scale=1.0), k_norm=arr(hd, scale=1.0),
                           indexer=indexer)
 
@@ -106,7 +108,7 @@ def chunk_case(dt, qsa_on=True):
     rng = np.random.default_rng(11)
     p = random_attention(rng, cfg, dt)
     if not qsa_on:
-        p = attn.Attention(p.q_proj, p.k_proj, p.v_proj, p.o_proj, p.q_norm, p.k_norm, None)
+        p = dataclasses.replace(p, indexer=None)
     kv = write_random_cache(rng, attn.PagedKV.empty(cfg, 30, 8, dt, indexer=True), dt)
     ids = rng.permutation(30)
     table = np.full((2, 13), 30, np.int32)
@@ -138,7 +140,7 @@ def test_attention_layer_blocked_equals_unblocked(dt, q_block, k_block):
         for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(kv_ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         # the selection matters here: without QSA (dense causal attention) the outputs differ
-        dense = attn.Attention(p.q_proj, p.k_proj, p.v_proj, p.o_proj, p.q_norm, p.k_norm, None)
+        dense = dataclasses.replace(p, indexer=None)
         y_dense, _ = attn.attention(dense, cfg, x, batch, kv)
         assert rel_err(np.asarray(y_dense)[valid], np.asarray(y_ref)[valid]) > 1e-3
 

@@ -36,9 +36,8 @@ def random_layer(rng, cfg, dt):
     def arr(*shape, scale=0.2):
         return jnp.asarray(rng.normal(size=shape) * scale, dt)
 
-    return gdn.GatedDeltaNet(in_proj_qkv=arr(c, h), in_proj_z=arr(hv * dv, h), in_proj_b=arr(hv, h),
-                             in_proj_a=arr(hv, h), conv1d=arr(c, k), dt_bias=arr(hv), A_log=arr(hv),
-                             norm=arr(dv, scale=1.0), out_proj=arr(h, hv * dv))
+    return gdn.GatedDeltaNet(in_proj=arr(c + hv * dv + 2 * hv, h), conv1d=arr(c, k), dt_bias=arr(hv),
+                             A_log=arr(hv), norm=arr(dv, scale=1.0), out_proj=arr(h, hv * dv))
 
 
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])

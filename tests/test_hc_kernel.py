@@ -4,19 +4,26 @@ weights.
 
 On the CPU the kernels run in Pallas interpret mode. Inputs: random float32 residual rows at several scales,
 norm, bottleneck and injection weights in float32 and bfloat16, with and without injection weights (the final
-mixer), 1 to 8 rows. Tolerance, relative to the largest value: 1e-5 for x and inj. Everything is float32 in
-both; the kernels only sum in another order (measured 4e-8 to 8e-7, the full-size shapes included).
+mixer), 1 to 8 rows, with and without the previous block's combine inside the mix (combine_mix). Tolerance,
+relative to the largest value: 1e-5 for x and inj, 1e-6 for the combined residual. Everything is float32 in
+both; the kernels only sum in another order (measured 4e-8 to 8e-7, the full-size shapes included), and may
+fuse the combine's multiply-add (1e-7).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflash
 from jaxflash import presets
-from jaxflash.kernels import hc_mix
+from jaxflash.engine import runner as runner_mod
+from jaxflash.engine.runner import Want
+from jaxflash.kernels import hc_mix, on_gpu
 from jaxflash.model import hyper_connection as hc
 
 from numerics import rel_err
@@ -38,25 +45,46 @@ def test_mix_matches_twin(dt, inject):
     cfg = presets.preset("tiny")  # one chunk per stream and of the rank; the full-size test has several
     rng = np.random.default_rng(7)
     p = random_hc(rng, cfg, dt, inject)
+    s, eps = cfg.hc_count, cfg.rms_norm_eps
     for shape, scale in (((1, 1), 3.0), ((3, 1), 1e-3), ((2, 4), 50.0)):  # 8 rows: the kernels' most
-        h = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size * cfg.hc_count)) * scale, jnp.float32)
-        x0, i0 = hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps)
-        x1, i1 = hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps, kernel=True)
+        h = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size * s)) * scale, jnp.float32)
+        x0, i0 = hc.mix(p, h, s, eps)
+        x1, i1 = hc.mix(p, h, s, eps, kernel=True)
         assert x1.shape == x0.shape == (*shape, cfg.hidden_size) and x1.dtype == jnp.float32
         assert rel_err(x1, x0) < 1e-5
         if inject:
-            assert i1.shape == (*shape, cfg.hc_count) and rel_err(i1, i0) < 1e-5
+            assert i1.shape == (*shape, s) and rel_err(i1, i0) < 1e-5
         else:
             assert i1 is None and i0 is None
+        # with the block output y of the previous block combined first (injection weights in [0, 2])
+        inj = jnp.asarray(rng.uniform(0, 2, size=(*shape, s)), jnp.float32)
+        y = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size)) * scale, dt)
+        want = hc.combine_mix(p, h, inj, y, s, eps)
+        got = hc.combine_mix(p, h, inj, y, s, eps, kernel=True)
+        np.testing.assert_array_equal(np.asarray(want[0]), np.asarray(hc.combine(h, inj, y)))
+        assert got[0].shape == h.shape and rel_err(got[0], want[0]) < 1e-6
+        assert rel_err(got[1], want[1]) < 1e-5
+        assert (got[2] is None) == (not inject) and (not inject or rel_err(got[2], want[2]) < 1e-5)
 
 
-def test_full_size_mix_matches_twin():
+@pytest.mark.parametrize("tiles", [dict(), dict(block_r=8, block_h=16, splits=5), dict(block_r=2, splits=5)])
+def test_full_size_mix_matches_twin(tiles):
+    """Full-size shapes (several loads per program; a stream's columns split over programs), with and without
+    a pending combine."""
     cfg = presets.preset("full")
     rng = np.random.default_rng(8)
     p = random_hc(rng, cfg, jnp.bfloat16, True)
-    h = jnp.asarray(rng.normal(size=(1, 1, cfg.hidden_size * cfg.hc_count)), jnp.float32)
-    (x0, i0), (x1, i1) = (hc.mix(p, h, cfg.hc_count, cfg.rms_norm_eps, kernel=k) for k in (False, True))
+    s, eps, w = cfg.hc_count, cfg.rms_norm_eps, cfg.hidden_size * cfg.hc_count
+    h = jnp.asarray(rng.normal(size=(2, w)), jnp.float32)
+    inj = jnp.asarray(rng.uniform(0, 2, size=(2, s)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(2, cfg.hidden_size)), jnp.bfloat16)
+    x0, i0 = hc.mix(p, h, s, eps)
+    x1, i1, h1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, **tiles)
     assert rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
+    np.testing.assert_array_equal(np.asarray(h1), np.asarray(h))
+    hc0, x0, i0 = hc.combine_mix(p, h, inj, y, s, eps)
+    x1, i1, hc1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, pending=(inj, y), **tiles)
+    assert rel_err(hc1, hc0) < 1e-6 and rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
 
 
 def test_bf16_parts_are_exact():
@@ -93,6 +121,7 @@ def test_takes_and_fallback(monkeypatch):
     assert hc_mix.takes(8, w, s, r) and not hc_mix.takes(9, w, s, r) and not hc_mix.takes(0, w, s, r)
     assert not hc_mix.takes(1, 3 * 64, 3, r)  # streams not a power of two
     assert not hc_mix.takes(1, w, s, 18)  # a rank the blocks do not tile
+    assert not hc_mix.takes(1, w, s, r, splits=2)  # a stream of one chunk cannot be split
     full = presets.preset("full")
     assert hc_mix.takes(1, full.hidden_size * full.hc_count, full.hc_count, full.hc_lowrank)
     with pytest.raises(ValueError, match="hc_mix takes"):
@@ -128,3 +157,23 @@ def test_engine_decode_with_the_kernels_equals_xla(nvfp4_dir, nvfp4_plain, trace
     assert len(traced) == n  # the default engine never calls them
     assert toks_on == toks_off
     assert rel_err(logits_on, logits_off) < 1e-5
+
+
+@pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
+def test_engine_takes_the_kernels_for_steps_of_few_rows(nvfp4_plain, monkeypatch):
+    """By default the engine runs the kernels on a GPU for steps of hc_mix.FASTER_ROWS rows (elsewhere never);
+    a decode step of more rows than Setup.hc_kernel_rows keeps XLA's mix, one of at most that many takes the
+    kernels for every mix (two per layer and the final one). The step is traced, not compiled."""
+    r = nvfp4_plain.scheduler.runner
+    assert r.setup.hc_kernel_rows == (hc_mix.FASTER_ROWS if on_gpu() else 0)
+    calls = []
+    real = hc_mix.mix
+    monkeypatch.setattr(hc_mix, "mix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows = r.setup.max_batch  # the state's slots: the decode step's token rows
+    state = jax.tree.unflatten(r._state_def, r._state_shapes)
+    for limit, want in ((rows - 1, 0), (rows, 2 * nvfp4_plain.config.num_hidden_layers + 1)):
+        setup = dataclasses.replace(r.setup, hc_kernel_rows=limit)
+        calls.clear()
+        jax.eval_shape(lambda p, st: runner_mod.decode_step(p, setup, Want(logits=True), st, None, None),
+                       r.params, state)
+        assert len(calls) == want, (limit, len(calls))

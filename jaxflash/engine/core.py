@@ -24,7 +24,7 @@ import numpy as np
 from .. import ffi
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..kernels import attention_decode, gdn_decode, nvfp4_experts, on_gpu
+from ..kernels import attention_decode, gdn_decode, hc_mix, nvfp4_experts, on_gpu
 from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model import transformer
@@ -53,7 +53,7 @@ class Engine:
                  checkpoint: Checkpoint | None = None, plan: planner_mod.Plan | None = None,
                  host_experts: HostExperts | None = None, ngram=None, mtp_drafts: bool = False,
                  routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
-                 gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
+                 gdn_kernel: bool | None = None, hc_kernel: bool | None = None, speculative: str | None = None,
                  draft_tokens: int = 1, attention_kernel: bool | None = None):
         """ngram: (ffi.NgramTable, FP8 scale or None) for the decode path's PLE step; by default it is opened
         from the checkpoint on first use. mtp_drafts: run the MTP head in every decode step (see load).
@@ -62,8 +62,8 @@ class Engine:
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics; "pallas" / "cuda": that route of
         the kernels, jaxflash.kernels.nvfp4_experts).
         gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
-        model it takes; True elsewhere runs it in interpret mode). hc_kernel: run the decode steps'
-        hyper-connection mixes in jaxflash.kernels.hc_mix (default off: on the H200 no faster than XLA's mix).
+        model it takes; True elsewhere runs it in interpret mode). hc_kernel: steps of few token rows run their
+        hyper-connection mixes in jaxflash.kernels.hc_mix (see load).
         attention_kernel: decode and verify steps attend in jaxflash.kernels.attention_decode (None: on a GPU for a
         model it takes; True elsewhere runs it in interpret mode).
         speculative, draft_tokens: see load."""
@@ -77,7 +77,9 @@ class Engine:
         if gdn_kernel is None:
             gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
         self.gdn_kernel = gdn_kernel
-        self.hc_kernel = hc_kernel
+        if hc_kernel is None:
+            hc_kernel = on_gpu() and hc_mix.FASTER_ROWS
+        self.hc_kernel_rows = hc_mix.MAX_ROWS if hc_kernel is True else int(hc_kernel)
         attn_ok = attention_decode.takes(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 1,
                                          params.dtype)
         if attention_kernel and not attn_ok:
@@ -203,7 +205,7 @@ class Engine:
                                 plan.max_seq_len // plan.page_size, plan.prefill_chunk, self.dtype,
                                 host, table, hash_,
                                 None if scale is None else float(scale), self.mtp, self.routing,
-                                self.expert_kernel, self.gdn_kernel, self.hc_kernel, self.draft_tokens,
+                                self.expert_kernel, self.gdn_kernel, self.hc_kernel_rows, self.draft_tokens,
                                 self.speculative, decode_drafts=self.mtp_drafts,
                                 attention_kernel=self.attention_kernel)
 
@@ -307,7 +309,7 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
          max_seq_len: int | None = None, prefill_chunk: int | None = None, mtp: bool | None = None,
          mtp_drafts: bool = False, device=None, progress: bool | None = None,
          routing: runner_mod.RoutingSource | None = None, expert_kernel: bool | str | None = None,
-         gdn_kernel: bool | None = None, hc_kernel: bool = False, speculative: str | None = None,
+         gdn_kernel: bool | None = None, hc_kernel: bool | None = None, speculative: str | None = None,
          draft_tokens: int = 1, attention_kernel: bool | None = None) -> Engine:
     """Open a checkpoint (default: the bundled model), plan its memory and load it for `dtype` ("float32",
     "bfloat16", or "float64" with jax_enable_x64).
@@ -331,8 +333,11 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     it takes up to 32 rows a step; on the CPU its C++ handler runs), "pallas" names the default.
     gdn_kernel: decode steps run the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode;
     default: on a GPU where it applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps
-    XLA's form). hc_kernel: decode steps run the hyper-connection mixes in two kernels each
-    (jaxflash.kernels.hc_mix; default off: on the H200 it ties XLA's mix at batch 1 and loses at larger batches).
+    XLA's form). hc_kernel: decode and verify steps run the hyper-connection mixes in two kernels each, with the
+    combine before the MoE's mix inside them (jaxflash.kernels.hc_mix). Default: on a GPU for steps of one token
+    row (hc_mix.FASTER_ROWS; from 2 rows XLA's mix is faster on the H200); an int: steps of at most that many
+    rows; True: every step the kernels take (up to hc_mix.MAX_ROWS rows; elsewhere than a GPU in interpret mode);
+    False: never.
     attention_kernel: decode and verify steps attend over the paged KV cache in one kernel per layer
     (jaxflash.kernels.attention_decode; default: on a GPU where it applies, bfloat16 or float32; True elsewhere
     runs it in interpret mode, False keeps XLA's form).

@@ -93,8 +93,9 @@ class Setup:
     # apply; "pallas" / "cuda": that route; host residency: host.kernel and host.route say the same for the slots)
     gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (the Engine turns it on
     # on a GPU; elsewhere it runs in interpret mode, for tests)
-    hc_kernel: bool = False  # decode's hyper-connection mixes by jaxflash.kernels.hc_mix (off by default: no faster
-    # than XLA's on the H200; elsewhere it runs in interpret mode, for tests)
+    hc_kernel_rows: int = 0  # decode and verify steps of at most this many token rows run their hyper-connection
+    # mixes in jaxflash.kernels.hc_mix (the Engine sets hc_mix.FASTER_ROWS on a GPU; elsewhere they run in
+    # interpret mode, for tests)
     draft_tokens: int = 0  # speculative decoding: K drafts per sequence in a verify step (0: off)
     speculative: str | None = None  # their proposer: "ngram" or "mtp" (the MTP head chained; needs mtp)
     decode_drafts: bool = False  # plain decode steps also draft the token after next with the head (its logits,
@@ -275,9 +276,10 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     fed = st.last_token[:, None]
     rows, context, ple_status = _ple_rows(setup, fed, st.seqs.ple_context, n_new)
     experts = _step_experts(setup, st)
+    hc_kernel = fed.size <= setup.hc_kernel_rows
     h, layers, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
-                                           setup.gdn_kernel, setup.hc_kernel, attn_kernel=setup.attention_kernel)
-    logits = final_logits(params, cfg, h[:, 0], setup.hc_kernel)
+                                           setup.gdn_kernel, hc_kernel, attn_kernel=setup.attention_kernel)
+    logits = final_logits(params, cfg, h[:, 0], hc_kernel)
     with jax.named_scope("sampling"):
         lengths = st.seqs.lengths + n_new
         tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths)
@@ -330,10 +332,11 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     ctx0 = st.seqs.ple_context
     rows, _, ple_status = _ple_rows(setup, fed, ctx0, n_new)
     experts = _step_experts(setup, st)
+    hc_kernel = fed.size <= setup.hc_kernel_rows
     h, pending, experts, _ = forward_layers(params, cfg, fed, batch, st.layers, experts, rows, expert_ids,
-                                            setup.gdn_kernel, setup.hc_kernel, pending=True,
+                                            setup.gdn_kernel, hc_kernel, pending=True,
                                             attn_kernel=setup.attention_kernel)
-    logits = final_logits(params, cfg, h, setup.hc_kernel)  # [B, K+1, V]
+    logits = final_logits(params, cfg, h, hc_kernel)  # [B, K+1, V]
     with jax.named_scope("sampling"):
         tokens, accepted = verify(logits, sp.drafts, n_draft, st.sampling, st.seqs.lengths + 1)
     keep = jnp.where(st.active, accepted + 1, 0)

@@ -1,24 +1,27 @@
-"""A hyper-connection mix (jaxflash.model.hyper_connection.mix) for a few token rows, in two kernels (Pallas;
-Triton backend on a GPU), where XLA spends six or seven.
+"""A hyper-connection mix (jaxflash.model.hyper_connection.mix) for a few token rows in two kernels (Pallas;
+Triton backend on a GPU), where XLA spends six or seven; optionally with the combine that precedes it
+(hyper_connection.combine_mix), which XLA runs as one more kernel.
 
 For rows h [N, W] of the float32 residual (S streams of H side by side), norm weight n [W], the bottleneck
 down [R, W] and up [W, R], and the injection weights inject [S, W]:
     xn = h * rstd_s * (1 + n)          rstd_s = rsqrt(mean over stream s of h^2 + eps)
     a = silu(down xn / S);   gates = sigmoid(up a);   x = mean over streams of gates * xn
     inj = 2 sigmoid(inject xn / S)
+With a pending combine (inj0 [N, S], y [N, H]), h is first h + inj0[:, s] * y on stream s, and is returned.
 Since rstd_s is one number per stream, down xn = sum_s rstd_s down_s (h_s (1 + n_s)), where down_s holds
 the columns of stream s. So:
-  * the down kernel: program (i, s) computes P[:, s, rows i BR ...] = down_s (h_s (1 + n_s)) for BR rows of
-    down, and program (0, s) also the sum of squares of h_s (the last row of programs does the same for
-    inject). Each program reads its BR x H block of weights and one stream of h, independent of the others:
-    R / BR x S programs keep the memory system busy, which one program per row block walking all streams
-    (this kernel's first version) did not.
+  * the down kernel: program (i, c) computes the partial product of rows i BR ... of down with split c of
+    the columns (split c lies in stream c // splits): P[:, c, rows] = down[rows, cols] (h (1 + n))[cols], and
+    the sums of squares of h over those columns; the last row of programs does the same for inject, and with
+    a pending combine the first row writes the combined h. Every program reads its own block of weights.
   * the up kernel: program j combines the partials (rstd, a, from L2), then computes x for columns
     [j BH, (j+1) BH) of a stream: for each stream s the gates of those columns (up's rows s H + j BH ...),
     times xn, summed over the streams; program 0 also writes inj.
-Each weight byte is read once. Float32 throughout, as the model's own mix, which is the twin: the CPU path
-and the tests' oracle (the tests run these kernels in interpret mode). Only the order of the float32 sums
-differs from XLA's.
+A program's weight loads do not depend on each other: it accumulates elementwise products in registers and
+reduces them once at the end (a reduction per load, as the first versions did, serialises the loads behind
+barriers: 0.66 TB/s). Each weight byte is read once. Float32 throughout, as the model's own mix, which is the
+twin: the CPU path and the tests' oracle (the tests run these kernels in interpret mode). Only the order of
+the float32 sums differs from XLA's.
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ from . import compiler_params, on_gpu
 
 Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
-_CHUNK = 512  # weight columns (of a stream) per step of the down kernel, at most
-_R_CHUNK = 64  # bottleneck columns per step of the up kernel, at most
+_CHUNK = 512  # weight columns (of a stream) per load of the down kernel, at most
+_ACC_PER_THREAD = 32  # float32 accumulators per thread in the down kernel (its chunks shrink with more rows)
+_R_CHUNK = 64  # bottleneck columns per load of the up kernel, at most
+# Token rows up to which the kernels beat XLA's mix on the H200 (benchmarks/RESULTS.md; one mix with its combine
+# inside the kernels: 1 row 10.9 us against XLA's 13.6; 8 rows 43.9 against 21.3). The engine runs them for steps
+# of at most this many rows.
+FASTER_ROWS = 1
+# Tiles measured best on the H200 (benchmarks/hc_kernel.py): rows of down per program, columns per program of
+# the up kernel, warps, splits of a stream's columns in the down kernel.
+BLOCK_R, BLOCK_H, WARPS, SPLITS = 4, 8, 4, 1
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -45,125 +56,181 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def takes(rows: int, width: int, streams: int, rank: int, block_r: int = 4, block_h: int = 8) -> bool:
+def _chunk(hidden: int, rows: int, block_r: int, warps: int) -> int:
+    """Columns per load of the down kernel: a power of two dividing the stream width, at most _CHUNK, and small
+    enough that the rows' accumulators [block_r, chunk] stay in registers."""
+    cap = _ACC_PER_THREAD * 32 * warps // (rows * block_r)
+    return _pow2_divisor(hidden, max(16, min(_CHUNK, cap)))
+
+
+def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R, block_h: int = BLOCK_H,
+          splits: int = SPLITS, warps: int = WARPS) -> bool:
     """Whether the kernels run a mix of `rows` float32 rows: few rows, power-of-two stream count, and
     blocks that tile the stream width and the rank (Triton blocks are powers of two)."""
     hidden = width // streams
+    chunk = _chunk(hidden, max(rows, 1), block_r, warps)
     return (1 <= rows <= MAX_ROWS and streams & (streams - 1) == 0 and hidden * streams == width
-            and rank % block_r == 0 and hidden % block_h == 0 and _pow2_divisor(hidden, _CHUNK) >= 16
+            and rank % block_r == 0 and hidden % block_h == 0 and chunk >= 16 and (hidden // chunk) % splits == 0
             and _pow2_divisor(rank, _R_CHUNK) >= 8)
 
 
-def _down_kernel(h_ref, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, *, rows: int, hidden: int,
-                 block_r: int, chunk: int):
+def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
+                 rows: int, hidden: int, block_r: int, chunk: int, splits: int):
     f32 = jnp.float32
-    i, s = pl.program_id(0), pl.program_id(1)
+    i, c = pl.program_id(0), pl.program_id(1)
+    s = c // splits
     n_down = pl.num_programs(0) - (1 if inject_ref is not None else 0)
+    loads = hidden // chunk // splits
+    first = s * hidden + (c % splits) * (loads * chunk)  # this split's first column
+
+    def residual(n, k):
+        """Row n of h over the split's k-th chunk of columns, after the pending combine (written out once)."""
+        hv = h_ref[n, pl.ds(first + k * chunk, chunk)]
+        if y_ref is None:
+            return hv
+        hv = hv + inj0_ref[n, s] * y_ref[n, pl.ds(first - s * hidden + k * chunk, chunk)].astype(f32)
+
+        @pl.when(i == 0)
+        def _():
+            hout_ref[n, pl.ds(first + k * chunk, chunk)] = hv
+        return hv
 
     def partials(w_ref, r0, nr):
-        """Per row: (w[r0:r0+nr] over stream s's columns . (h_s (1 + n_s)), sum of h_s^2)."""
-        dots = [jnp.zeros((nr,), f32) for _ in range(rows)]
-        ss = [jnp.zeros((), f32) for _ in range(rows)]
-        for c in range(hidden // chunk):
-            cols = pl.ds(s * hidden + c * chunk, chunk)
-            w = w_ref[pl.ds(r0, nr), cols].astype(f32)  # [nr, chunk]
-            g = 1.0 + norm_ref[cols].astype(f32)
+        """Per row: (w[r0:r0+nr] over the split's columns . (h (1 + n)), sum of h^2 over them). Every load is
+        issued before the arithmetic, so that their latencies overlap."""
+        cols = [pl.ds(first + k * chunk, chunk) for k in range(loads)]
+        ws = [w_ref[pl.ds(r0, nr), c] for c in cols]  # [nr, chunk] each
+        gs = [norm_ref[c] for c in cols]
+        hs = [[residual(n, k) for k in range(loads)] for n in range(rows)]
+        acc = [jnp.zeros((nr, chunk), f32) for _ in range(rows)]
+        sq = [jnp.zeros((chunk,), f32) for _ in range(rows)]
+        for k in range(loads):
+            w, g = ws[k].astype(f32), 1.0 + gs[k].astype(f32)
             for n in range(rows):
-                hv = h_ref[n, cols]
-                ss[n] = ss[n] + jnp.sum(hv * hv)
-                dots[n] = dots[n] + jnp.sum(w * (hv * g)[None, :], axis=1)
-        return dots, ss
+                hv = hs[n][k]
+                sq[n] = sq[n] + hv * hv
+                acc[n] = acc[n] + w * (hv * g)[None, :]
+        return [jnp.sum(a, axis=1) for a in acc], [jnp.sum(q) for q in sq]
 
     @pl.when(i < n_down)
     def _():
         dots, ss = partials(down_ref, i * block_r, block_r)
         for n in range(rows):
-            p_ref[n, s, pl.ds(i * block_r, block_r)] = dots[n]
+            p_ref[n, c, pl.ds(i * block_r, block_r)] = dots[n]
 
         @pl.when(i == 0)
         def _():
             for n in range(rows):
-                ss_ref[n, s] = ss[n]
+                ss_ref[n, c] = ss[n]
 
     if inject_ref is not None:
         @pl.when(i == n_down)
         def _():
             dots, _ = partials(inject_ref, 0, inject_ref.shape[0])
             for n in range(rows):
-                pi_ref[n, s, :] = dots[n]
+                pi_ref[n, c, :] = dots[n]
 
 
 def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
-               hidden: int, rank: int, block_h: int, r_chunk: int, eps: float):
+               hidden: int, rank: int, block_h: int, r_chunk: int, splits: int, eps: float):
     f32 = jnp.float32
     j = pl.program_id(0)
-    rstd = [[jax.lax.rsqrt(ss_ref[n, s] / hidden + eps) for s in range(streams)] for n in range(rows)]
+
+    # The weights first (they do not depend on the partials, whose loads and arithmetic then overlap theirs).
+    r_chunks = rank // r_chunk
+    cols = [pl.ds(s * hidden + j * block_h, block_h) for s in range(streams)]
+    ws = [[up_ref[cols[s], pl.ds(k * r_chunk, r_chunk)] for k in range(r_chunks)] for s in range(streams)]
+    gs = [norm_ref[c] for c in cols]
+    hs = [[h_ref[n, c] for c in cols] for n in range(rows)]
+
+    def over_splits(ref, n, s, idx=()):  # the stream's partials, summed over its splits
+        return sum(ref[(n, s * splits + k) + idx] for k in range(splits))
+
+    rstd = [[jax.lax.rsqrt(over_splits(ss_ref, n, s) / hidden + eps) for s in range(streams)]
+            for n in range(rows)]
     # a = silu(down xn / S) from the per-stream partials, one chunk of the rank at a time
-    a = [[jax.nn.silu(sum(rstd[n][s] * p_ref[n, s, pl.ds(c * r_chunk, r_chunk)] for s in range(streams))
-                      / streams) for c in range(rank // r_chunk)] for n in range(rows)]
-    acc = [jnp.zeros((block_h,), f32) for _ in range(rows)]
+    a = [[jax.nn.silu(sum(rstd[n][s] * over_splits(p_ref, n, s, (pl.ds(k * r_chunk, r_chunk),))
+                          for s in range(streams)) / streams) for k in range(r_chunks)] for n in range(rows)]
+    out = [jnp.zeros((block_h,), f32) for _ in range(rows)]
     for s in range(streams):
-        cols = pl.ds(s * hidden + j * block_h, block_h)
-        logits = [jnp.zeros((block_h,), f32) for _ in range(rows)]
-        for c in range(rank // r_chunk):
-            w = up_ref[cols, pl.ds(c * r_chunk, r_chunk)].astype(f32)  # [block_h, r_chunk]
+        acc = [jnp.zeros((block_h, r_chunk), f32) for _ in range(rows)]
+        for k in range(r_chunks):
+            w = ws[s][k].astype(f32)  # [block_h, r_chunk]
             for n in range(rows):
-                logits[n] = logits[n] + jnp.sum(w * a[n][c][None, :], axis=1)
-        g = 1.0 + norm_ref[cols].astype(f32)
+                acc[n] = acc[n] + w * a[n][k][None, :]
+        g = 1.0 + gs[s].astype(f32)
         for n in range(rows):
-            xn = h_ref[n, cols] * rstd[n][s] * g
-            acc[n] = acc[n] + jax.nn.sigmoid(logits[n]) * xn
+            xn = hs[n][s] * rstd[n][s] * g
+            out[n] = out[n] + jax.nn.sigmoid(jnp.sum(acc[n], axis=1)) * xn
     for n in range(rows):
-        x_ref[n, pl.ds(j * block_h, block_h)] = acc[n] / streams
+        x_ref[n, pl.ds(j * block_h, block_h)] = out[n] / streams
 
     if inj_ref is not None:
         @pl.when(j == 0)
         def _():
             for n in range(rows):
-                t = sum(rstd[n][s] * pi_ref[n, s, :] for s in range(streams))
+                t = sum(rstd[n][s] * over_splits(pi_ref, n, s, (slice(None),)) for s in range(streams))
                 inj_ref[n, :] = 2.0 * jax.nn.sigmoid(t / streams)
 
 
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
-        interpret: bool | None = None, block_r: int = 4, block_h: int = 8, warps: int = 4):
+        pending: tuple[Array, Array] | None = None, interpret: bool | None = None, block_r: int = BLOCK_R,
+        block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] float32,
-    inj [N, streams] float32 or None without injection weights). interpret: run in Pallas interpret mode
-    (default: on anything but a GPU)."""
-    return _mix(h, norm, down, up, inject, streams=streams, eps=eps,
+    inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]), a combine
+    to apply to h first (hyper_connection.combine); the returned h is then the combined one, else h itself.
+    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps,
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
-                warps=warps)
+                warps=warps, splits=splits)
 
 
-@partial(jax.jit, static_argnames=("streams", "eps", "interpret", "block_r", "block_h", "warps"))
-def _mix(h, norm, down, up, inject, *, streams: int, eps: float, interpret: bool, block_r: int, block_h: int,
-         warps: int):
+@partial(jax.jit, static_argnames=("streams", "eps", "interpret", "block_r", "block_h", "warps", "splits"))
+def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, interpret: bool, block_r: int,
+         block_h: int, warps: int, splits: int):
     rows, width = h.shape
     rank = down.shape[0]
     hidden = width // streams
-    if h.dtype != jnp.float32 or not takes(rows, width, streams, rank, block_r, block_h):
+    if h.dtype != jnp.float32 or not takes(rows, width, streams, rank, block_r, block_h, splits, warps):
         raise ValueError(f"hc_mix takes float32 rows [<= {MAX_ROWS}, S*H] with power-of-two tiles; got "
                          f"{h.dtype}{list(h.shape)}, {streams} streams, rank {rank}")
     params = compiler_params(interpret, warps)
     f32 = jnp.float32
-    has_inject = inject is not None
+    has_inject, fused = inject is not None, pending is not None
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
-                          chunk=_pow2_divisor(hidden, _CHUNK))
+                          chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
     up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, rank=rank, block_h=block_h,
-                        r_chunk=_pow2_divisor(rank, _R_CHUNK), eps=eps)
-    if not has_inject:  # the final mixer: no injection weights, no inj output
-        def down_kernel(h_ref, norm_ref, down_ref, p_ref, ss_ref, _k=down_kernel):  # noqa: E306
-            _k(h_ref, norm_ref, down_ref, None, p_ref, ss_ref, None)
+                        r_chunk=_pow2_divisor(rank, _R_CHUNK), splits=splits, eps=eps)
 
-        def up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, x_ref, _k=up_kernel):  # noqa: E306
-            _k(h_ref, norm_ref, up_ref, p_ref, ss_ref, None, x_ref, None)
-    # partials of down (per stream), sums of squares, partials of inject (input stream, output stream)
-    outs = [jax.ShapeDtypeStruct((rows, streams, rank), f32), jax.ShapeDtypeStruct((rows, streams), f32)]
-    outs += [jax.ShapeDtypeStruct((rows, streams, streams), f32)] if has_inject else []
-    parts = pl.pallas_call(down_kernel, out_shape=tuple(outs), grid=(rank // block_r + has_inject, streams),
-                           compiler_params=params, interpret=interpret, name="hc_mix_down")(
-        h, norm, down, *([inject] if has_inject else []))
+    # Pallas passes refs positionally: inputs, then outputs. Absent ones (no pending combine, no injection
+    # weights: the final mixer) are None in the kernels.
+    def down_call(*refs):
+        it = iter(refs)
+        take = lambda present: next(it) if present else None  # noqa: E731
+        h_ref, inj0, y = next(it), take(fused), take(fused)
+        norm_ref, down_ref, inject_ref = next(it), next(it), take(has_inject)
+        p, ss, pi, hout = next(it), next(it), take(has_inject), take(fused)
+        down_kernel(h_ref, inj0, y, norm_ref, down_ref, inject_ref, p, ss, pi, hout)
+
+    def up_call(*refs):
+        it = iter(refs)
+        take = lambda present: next(it) if present else None  # noqa: E731
+        h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(has_inject)
+        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(has_inject))
+
+    parts = streams * splits
+    # partials of down (per split), sums of squares, partials of inject (split, output stream), combined h
+    outs = [jax.ShapeDtypeStruct((rows, parts, rank), f32), jax.ShapeDtypeStruct((rows, parts), f32)]
+    outs += [jax.ShapeDtypeStruct((rows, parts, streams), f32)] if has_inject else []
+    outs += [jax.ShapeDtypeStruct((rows, width), f32)] if fused else []
+    got = pl.pallas_call(down_call, out_shape=tuple(outs), grid=(rank // block_r + has_inject, parts),
+                         compiler_params=params, interpret=interpret, name="hc_mix_down")(
+        h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []))
+    h = got[-1] if fused else h
+    parts_out = got[:3] if has_inject else (*got[:2], None)
     outs = [jax.ShapeDtypeStruct((rows, hidden), f32)]
     outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
-    got = pl.pallas_call(up_kernel, out_shape=tuple(outs), grid=(hidden // block_h,), compiler_params=params,
-                         interpret=interpret, name="hc_mix_up")(h, norm, up, *parts)
-    return got[0], (got[1] if has_inject else None)
+    res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,), compiler_params=params,
+                         interpret=interpret, name="hc_mix_up")(
+        h, norm, up, *(p for p in parts_out if p is not None))
+    return res[0], (res[1] if has_inject else None), h

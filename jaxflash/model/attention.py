@@ -19,20 +19,30 @@ from jax import lax
 from ..config import ModelConfig
 from ..kernels import attention_decode
 from . import qsa
-from .base import Array, TokenBatch, linear, pytree_dataclass, up
+from .base import Array, TokenBatch, linear, linear_split, pytree_dataclass, stacked_part, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
 
 @pytree_dataclass
 class Attention:
-    q_proj: Array  # [n_heads * 2 * head_dim, H]: per head [query | gate]
-    k_proj: Array  # [n_kv * head_dim, H]
-    v_proj: Array  # [n_kv * head_dim, H]
+    """An attention layer's weights. q_proj, k_proj and v_proj are stored stacked (base.stack_rows: one matmul
+    reads x for all three); the properties below are the checkpoint's tensors."""
+
+    qkv_proj: Array  # [n_heads * 2 * head_dim + 2 * n_kv * head_dim, H]: q_proj | k_proj | v_proj
     o_proj: Array  # [H, n_heads * head_dim]
     q_norm: Array  # [head_dim]
     k_norm: Array  # [head_dim]
     indexer: qsa.Indexer | None
+
+    def _edges(self) -> tuple[int, int]:
+        """Where q_proj's and k_proj's rows of `qkv_proj` end."""
+        q = 2 * self.o_proj.shape[-1]
+        return q, q + (self.qkv_proj.shape[0] - q) // 2
+
+    q_proj = stacked_part("qkv_proj", 0)  # [n_heads * 2 * head_dim, H]: per head [query | gate]
+    k_proj = stacked_part("qkv_proj", 1)  # [n_kv * head_dim, H]
+    v_proj = stacked_part("qkv_proj", 2)  # [n_kv * head_dim, H]
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -174,11 +184,12 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
     positions, valid, page_table = batch.positions, batch.valid, batch.page_table
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)  # [B, T, rd]
 
-    qg = linear(x, p.q_proj).reshape(b, t, nh, 2 * hd)
+    qg, k, v = linear_split(x, p.qkv_proj, p._edges())
+    qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:]
     q = apply_rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(linear(x, p.k_proj).reshape(b, t, nkv, hd), p.k_norm, cfg.rms_norm_eps), cos, sin)
-    v = linear(x, p.v_proj).reshape(b, t, nkv, hd)
+    k = apply_rope(rms_norm(k.reshape(b, t, nkv, hd), p.k_norm, cfg.rms_norm_eps), cos, sin)
+    v = v.reshape(b, t, nkv, hd)
     kv = PagedKV(k=write_pages(kv.k, page_table, positions, valid, k),
                  v=write_pages(kv.v, page_table, positions, valid, v), index_keys=kv.index_keys)
     q_index = None

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -48,6 +49,28 @@ def linear(x: Array, w: Array) -> Array:
     y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision_for(x.dtype),
                    preferred_element_type=acc_dtype(x.dtype))
     return y.astype(x.dtype)
+
+
+def stack_rows(*ws):
+    """Matrices [n_i, K] that multiply the same input, stored as one [sum n_i, K] so that a single matmul reads
+    the input for all of them (at decode one GEMV where there were several small ones). numpy in, numpy out
+    (weights are stacked on the host as they load)."""
+    if all(isinstance(w, np.ndarray) for w in ws):
+        return np.concatenate(ws, axis=0)
+    return jnp.concatenate(ws, axis=0)
+
+
+def stacked_part(field: str, i: int) -> property:
+    """A property: the i-th matrix of the stacked weight `field`, whose row edges the class's `_edges()` gives."""
+    def get(self):
+        edges = (0, *self._edges(), getattr(self, field).shape[0])
+        return getattr(self, field)[edges[i]:edges[i + 1]]
+    return property(get)
+
+
+def linear_split(x: Array, w: Array, edges) -> tuple[Array, ...]:
+    """linear(x, w) of a stacked w, split back into the parts' outputs at the row edges."""
+    return tuple(jnp.split(linear(x, w), list(edges), axis=-1))
 
 
 # top_k and top_k_mask rank by comparisons while rows x n x n stays below this (decode and verify steps): one

@@ -17,7 +17,7 @@ from jax import lax
 
 from ..config import ModelConfig
 from ..kernels import gdn_decode
-from .base import Array, acc_dtype, linear, pytree_dataclass, silu, up
+from .base import Array, acc_dtype, linear, linear_split, pytree_dataclass, silu, stacked_part, up
 from .norms import l2norm, rms_norm_gated
 
 CHUNK = 64
@@ -28,15 +28,25 @@ _HI = lax.Precision.HIGHEST
 
 @pytree_dataclass
 class GatedDeltaNet:
-    in_proj_qkv: Array  # [2*key_dim + value_dim, H]: q | k | v, contiguous
-    in_proj_z: Array  # [value_dim, H]
-    in_proj_b: Array  # [Hv, H]
-    in_proj_a: Array  # [Hv, H]
+    """A GDN layer's weights. The four projections of its input (in_proj_qkv, _z, _b, _a) are stored stacked
+    (base.stack_rows: one matmul reads x for all four); the properties below are the checkpoint's tensors."""
+
+    in_proj: Array  # [conv_dim + value_dim + 2 Hv, H]: in_proj_qkv (q | k | v) | in_proj_z | in_proj_b | in_proj_a
     conv1d: Array  # [conv_dim, K] depthwise causal kernel (checkpoint [conv_dim, 1, K])
     dt_bias: Array  # [Hv]
     A_log: Array  # [Hv]
     norm: Array  # [dv]
     out_proj: Array  # [H, value_dim]
+
+    def _edges(self) -> tuple[int, int, int]:
+        """Where in_proj_qkv's, in_proj_z's and in_proj_b's rows of `in_proj` end."""
+        c, v = self.conv1d.shape[0], self.out_proj.shape[-1]
+        return c, c + v, c + v + self.dt_bias.shape[0]
+
+    in_proj_qkv = stacked_part("in_proj", 0)  # [2*key_dim + value_dim, H]
+    in_proj_z = stacked_part("in_proj", 1)  # [value_dim, H]
+    in_proj_b = stacked_part("in_proj", 2)  # [Hv, H]
+    in_proj_a = stacked_part("in_proj", 3)  # [Hv, H]
 
 
 @pytree_dataclass
@@ -220,10 +230,8 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kd = cfg.linear_key_dim
 
-    qkv_raw = linear(x, p.in_proj_qkv)
-    z = linear(x, p.in_proj_z).reshape(t, hv, dv)
-    b = linear(x, p.in_proj_b)
-    a = linear(x, p.in_proj_a)
+    qkv_raw, z, b, a = linear_split(x, p.in_proj, p._edges())
+    z = z.reshape(t, hv, dv)
 
     conv_out, hist = causal_conv(qkv_raw, state.conv, p.conv1d)
     qkv = silu(up(conv_out)).astype(x.dtype)
@@ -288,10 +296,10 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     b = x.shape[0]
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     live = (n_valid > 0).astype(jnp.int32)
-    qkv_raw = linear(x, p.in_proj_qkv)
-    o, recurrent = gdn_decode.recurrent_step(cfg, qkv_raw, linear(x, p.in_proj_b), linear(x, p.in_proj_a), live,
-                                             p.conv1d, p.dt_bias, p.A_log, state.conv, state.recurrent)
-    z = linear(x, p.in_proj_z).reshape(b, hv, dv)
+    qkv_raw, z, beta_in, a = linear_split(x, p.in_proj, p._edges())
+    o, recurrent = gdn_decode.recurrent_step(cfg, qkv_raw, beta_in, a, live, p.conv1d, p.dt_bias, p.A_log,
+                                             state.conv, state.recurrent)
+    z = z.reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]
     # conv_window of [old rows; the new row] at n = live, as a select that XLA fuses with the new row's

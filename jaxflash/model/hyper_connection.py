@@ -64,7 +64,7 @@ def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = F
     elsewhere); this function's own code is that kernel's twin."""
     lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
     if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
-        x, inj = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps)
+        x, inj, _ = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps)
         return x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
     hidden = h.shape[-1] // streams
     xn = rms_norm(up(h), p.norm, eps, group=hidden)
@@ -75,6 +75,20 @@ def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = F
         return x, None
     inj = 2.0 * jax.nn.sigmoid(_f32_linear(xn, p.inject) / streams)
     return x, inj
+
+
+def combine_mix(p: HyperConnection, h: Array, inj: Array, y: Array, streams: int, eps: float,
+                kernel: bool = False) -> tuple[Array, Array, Array | None]:
+    """combine(h, inj, y), then mix(p, ...) of the result: (h, x, inj) of the next block. kernel: a few rows
+    run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first), which saves XLA's
+    combine kernel; this function's own code is their twin."""
+    lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
+    if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
+        x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps,
+                                pending=(inj.reshape(rows, streams), y.reshape(rows, -1)))
+        return hk.reshape(h.shape), x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
+    h = combine(h, inj, y)
+    return (h, *mix(p, h, streams, eps))
 
 
 def combine(h: Array, inj: Array, y: Array) -> Array:

@@ -22,7 +22,8 @@ from jax import lax
 
 from ..config import ModelConfig
 from ..kernels import nvfp4_experts, nvfp4_grouped
-from .base import Array, acc_dtype, linear, precision_for, pytree_dataclass, silu, static, top_k, up
+from .base import (Array, acc_dtype, linear, linear_split, precision_for, pytree_dataclass, silu, stacked_part,
+                   static, top_k, up)
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -113,12 +114,31 @@ class Experts:
 
 @pytree_dataclass
 class MoE:
-    router: Array  # gate.weight [E, H]
+    """A MoE block's weights. The four projections of its input x (the router and the shared expert's gate, up
+    and sigmoid gate) are stored stacked, so that one matmul reads x for all of them: at decode that is one
+    GEMV of the four weights' bytes instead of four small ones. The properties below are the checkpoint's
+    tensors."""
+
+    inputs: Array  # [E + 2 Is + 1, H]: gate.weight, shared_expert.gate_proj, .up_proj, shared_expert_gate.weight
     experts: Experts | None  # None: routed experts held outside the parameters (the engine's host pool)
-    shared_gate_proj: Array  # [Is, H]
-    shared_up_proj: Array  # [Is, H]
     shared_down_proj: Array  # [H, Is]
-    shared_expert_gate: Array  # [1, H]
+
+    def _edges(self) -> tuple[int, int, int]:
+        """Where the router's, the shared gate's and the shared up's rows of `inputs` end."""
+        i = self.shared_down_proj.shape[-1]
+        e = self.inputs.shape[0] - 2 * i - 1
+        return e, e + i, e + 2 * i
+
+    router = stacked_part("inputs", 0)  # gate.weight [E, H]
+    shared_gate_proj = stacked_part("inputs", 1)  # [Is, H]
+    shared_up_proj = stacked_part("inputs", 2)  # [Is, H]
+    shared_expert_gate = stacked_part("inputs", 3)  # [1, H]
+
+
+def input_projections(p: MoE, x: Array) -> tuple[Array, Array, Array, Array]:
+    """x [N, H] through the stacked input projections in one matmul: (router logits, shared gate, shared up,
+    shared expert gate) in x's dtype, [N, E], [N, Is], [N, Is], [N, 1]."""
+    return linear_split(x, p.inputs, p._edges())
 
 
 def router_probs(p: MoE, x: Array) -> Array:
@@ -358,14 +378,14 @@ def moe(p: MoE, cfg: ModelConfig, x: Array, experts, layer: int = 0, valid: Arra
     plus the gated shared expert. Returns (y [N, H] in x's dtype, the updated source, Routing).
     ids [N, k]: route to these experts instead of the router's top-k (fixed routing for studies and
     benchmarks); the router still runs and gives their weights."""
-    with jax.named_scope("router"):
-        probs = router_probs(p, x)
+    with jax.named_scope("router"):  # with the shared expert's input projections (one read of x)
+        logits, shared_gate, shared_up, shared_expert_gate = input_projections(p, x)
+        probs = jax.nn.softmax(up(logits), axis=-1)
         w, idx = route(p, cfg, x, probs) if ids is None else given_route(cfg, probs, ids, x.dtype)
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
     with jax.named_scope("routed_experts"):
         routed_out, experts = experts.routed(layer, p, x, idx, w, valid)
     with jax.named_scope("shared_expert"):
-        shared = linear(silu(up(linear(x, p.shared_gate_proj))).astype(x.dtype)
-                        * linear(x, p.shared_up_proj), p.shared_down_proj)
-        shared = jax.nn.sigmoid(up(linear(x, p.shared_expert_gate))) * up(shared)
+        shared = linear(silu(up(shared_gate)).astype(x.dtype) * shared_up, p.shared_down_proj)
+        shared = jax.nn.sigmoid(up(shared_expert_gate)) * up(shared)
     return (routed_out + shared).astype(x.dtype), experts, Routing(probs, idx, w)

@@ -93,7 +93,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
     as it was.
     """
-    dt = layer.moe.router.dtype
+    dt = layer.moe.inputs.dtype
     s, eps = cfg.hc_count, cfg.rms_norm_eps
     b, t, _ = h.shape
     n_new = batch.n_new
@@ -113,12 +113,10 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer, attn_kernel)
         else:
             y, mixer = gdn.gated_deltanet_batch(layer.mixer, cfg, x, state.mixer, n_new, gdn_kernel, pending)
-        with jax.named_scope("hyper_connection"):
-            h = hc.combine(h, inj, y)
 
     with jax.named_scope("moe"):
-        with jax.named_scope("hyper_connection"):
-            x, inj = hc.mix(layer.mlp_hc, h, s, eps, hc_kernel)
+        with jax.named_scope("hyper_connection"):  # the mixer's combine with the MoE's mix
+            h, x, inj = hc.combine_mix(layer.mlp_hc, h, inj, y, s, eps, hc_kernel)
         y, experts, routing = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), experts, index,
                                   batch.valid.reshape(-1), expert_ids)
         with jax.named_scope("hyper_connection"):

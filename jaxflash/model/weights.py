@@ -19,6 +19,7 @@ from ..config import FULL_ATTENTION, ModelConfig
 from . import gated_deltanet as gdn
 from . import hyper_connection as hc
 from . import ple as ple_mod
+from .base import stack_rows
 from .attention import Attention
 from .moe import NVFP4, Experts, FP8Block, MoE
 from .mtp import MTP
@@ -73,8 +74,8 @@ def _hyper_connection(r: _Reader, prefix: str, inject: bool) -> hc.HyperConnecti
 
 def _gdn(r: _Reader, p: str) -> gdn.GatedDeltaNet:
     return gdn.GatedDeltaNet(
-        in_proj_qkv=r(f"{p}.in_proj_qkv.weight"), in_proj_z=r(f"{p}.in_proj_z.weight"),
-        in_proj_b=r(f"{p}.in_proj_b.weight"), in_proj_a=r(f"{p}.in_proj_a.weight"),
+        in_proj=stack_rows(r(f"{p}.in_proj_qkv.weight"), r(f"{p}.in_proj_z.weight"), r(f"{p}.in_proj_b.weight"),
+                           r(f"{p}.in_proj_a.weight")),
         conv1d=r(f"{p}.conv1d.weight", squeeze_middle=True), dt_bias=r(f"{p}.dt_bias"), A_log=r(f"{p}.A_log"),
         norm=r(f"{p}.norm.weight"), out_proj=r(f"{p}.out_proj.weight"),
     )
@@ -86,7 +87,7 @@ def _attention(r: _Reader, cfg: ModelConfig, p: str) -> Attention:
         indexer = Indexer(index_qk_proj=r(f"{p}.indexer.index_qk_proj.weight"),
                           q_norm=r(f"{p}.indexer.q_layernorm.weight"), k_norm=r(f"{p}.indexer.k_layernorm.weight"))
     return Attention(
-        q_proj=r(f"{p}.q_proj.weight"), k_proj=r(f"{p}.k_proj.weight"), v_proj=r(f"{p}.v_proj.weight"),
+        qkv_proj=stack_rows(r(f"{p}.q_proj.weight"), r(f"{p}.k_proj.weight"), r(f"{p}.v_proj.weight")),
         o_proj=r(f"{p}.o_proj.weight"), q_norm=r(f"{p}.q_norm.weight"), k_norm=r(f"{p}.k_norm.weight"),
         indexer=indexer,
     )
@@ -122,14 +123,9 @@ def _moe(r: _Reader, cfg: ModelConfig, p: str, routed: bool = True) -> MoE:
     if routed:
         experts = Experts(gate=_expert_stack(r, p, "gate_proj", n), up=_expert_stack(r, p, "up_proj", n),
                           down=_expert_stack(r, p, "down_proj", n))
-    return MoE(
-        router=r(f"{p}.gate.weight"),
-        experts=experts,
-        shared_gate_proj=r(f"{p}.shared_expert.gate_proj.weight"),
-        shared_up_proj=r(f"{p}.shared_expert.up_proj.weight"),
-        shared_down_proj=r(f"{p}.shared_expert.down_proj.weight"),
-        shared_expert_gate=r(f"{p}.shared_expert_gate.weight"),
-    )
+    inputs = stack_rows(r(f"{p}.gate.weight"), r(f"{p}.shared_expert.gate_proj.weight"),
+                        r(f"{p}.shared_expert.up_proj.weight"), r(f"{p}.shared_expert_gate.weight"))
+    return MoE(inputs=inputs, experts=experts, shared_down_proj=r(f"{p}.shared_expert.down_proj.weight"))
 
 
 def _ple(r: _Reader, cfg: ModelConfig, p: str, table) -> ple_mod.PLE:
