@@ -70,10 +70,8 @@ def main(argv=None) -> int:
         """The chain of mixes and combines; fused: each combine runs inside the next mix's kernels
         (hyper_connection.combine_mix), as the decode step does within a layer."""
         def mix(m, h, pending):
-            if variant is None or variant == "f32":
+            if variant is None or variant == "f32":  # XLA's mix; its cases run unfused (pending is None)
                 m = m if variant is None else jax.tree.map(lambda a: a.astype(jnp.float32), m)
-                if pending is not None:
-                    h = hc.combine(h, *pending)
                 return (*hc.mix(m, h, s, eps), h)
             br, bh, warps, splits = variant
             return hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, pending=pending, block_r=br,

@@ -51,13 +51,11 @@ def linear(x: Array, w: Array) -> Array:
     return y.astype(x.dtype)
 
 
-def stack_rows(*ws):
+def stack_rows(*ws) -> np.ndarray:
     """Matrices [n_i, K] that multiply the same input, stored as one [sum n_i, K] so that a single matmul reads
-    the input for all of them (at decode one GEMV where there were several small ones). numpy in, numpy out
-    (weights are stacked on the host as they load)."""
-    if all(isinstance(w, np.ndarray) for w in ws):
-        return np.concatenate(ws, axis=0)
-    return jnp.concatenate(ws, axis=0)
+    the input for all of them (at decode one GEMV where there were several small ones). On the host, as the
+    weights load."""
+    return np.concatenate(ws, axis=0)
 
 
 def stacked_part(field: str, i: int) -> property:

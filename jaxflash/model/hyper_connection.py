@@ -58,14 +58,27 @@ def _f32_linear(x: Array, w: Array) -> Array:
     return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=lax.Precision.HIGHEST)
 
 
+def _kernels_take(p: HyperConnection, h: Array, streams: int) -> bool:
+    """Whether jaxflash.kernels.hc_mix takes the mix of h [..., W] (float32, few rows)."""
+    return h.dtype == jnp.float32 and hc_mix.takes(math.prod(h.shape[:-1]), h.shape[-1], streams, p.down.shape[0])
+
+
+def _in_kernels(p: HyperConnection, h: Array, streams: int, eps: float, pending=None):
+    """(h, x, inj) of the mix of h [..., W] in jaxflash.kernels.hc_mix, after the pending combine (inj0, y) if
+    any (then h is the combined residual, else h itself)."""
+    lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
+    if pending is not None:
+        pending = (pending[0].reshape(rows, streams), pending[1].reshape(rows, -1))
+    x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps, pending=pending)
+    return hk.reshape(h.shape), x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
+
+
 def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = False) -> tuple[Array, Array | None]:
     """Block input x [..., H] (float32) and injection weights [..., S] (None for the final mixer) of h [..., W].
     kernel: a few rows (a decode step) run in jaxflash.kernels.hc_mix (compiled on a GPU, interpreted
     elsewhere); this function's own code is that kernel's twin."""
-    lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
-    if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
-        x, inj, _ = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps)
-        return x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
+    if kernel and _kernels_take(p, h, streams):
+        return _in_kernels(p, h, streams, eps)[1:]
     hidden = h.shape[-1] // streams
     xn = rms_norm(up(h), p.norm, eps, group=hidden)
     a = silu(_f32_linear(xn, p.down) / streams)
@@ -82,11 +95,8 @@ def combine_mix(p: HyperConnection, h: Array, inj: Array, y: Array, streams: int
     """combine(h, inj, y), then mix(p, ...) of the result: (h, x, inj) of the next block. kernel: a few rows
     run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first), which saves XLA's
     combine kernel; this function's own code is their twin."""
-    lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
-    if kernel and h.dtype == jnp.float32 and hc_mix.takes(rows, h.shape[-1], streams, p.down.shape[0]):
-        x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps,
-                                pending=(inj.reshape(rows, streams), y.reshape(rows, -1)))
-        return hk.reshape(h.shape), x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
+    if kernel and _kernels_take(p, h, streams):
+        return _in_kernels(p, h, streams, eps, (inj, y))
     h = combine(h, inj, y)
     return (h, *mix(p, h, streams, eps))
 
