@@ -202,6 +202,7 @@ def _measure(pf: Prefiller, c: dict, args, rng, traces: str, gbps: float | None,
         return [int(x) for x in rng.integers(0, cfg.vocab_size, n)]
 
     run = {"config": name, "mode": c["mode"], "routing": c["routing"], "chunk": c["chunk"], "overlap": c["overlap"],
+           "gdn_kernel": c["gdn_kernel"],
            "prompt_tokens": args.prompt, "short_prompt_tokens": args.short_prompt, "reps": args.reps,
            "plan": eng.plan.summary(), "notes": list(eng.plan.notes), "cache_slots": eng.plan.cache_slots,
            "max_seq_len": eng.plan.max_seq_len, "chunks": -(-args.prompt // c["chunk"])}
@@ -353,6 +354,9 @@ def main(argv=None) -> int:
                     help="comma-separated, host mode: off (copy, then compute: the default) and/or on (each "
                          "block's PCIe copy beside the previous block's kernels; configurations named "
                          "...-overlap)")
+    ap.add_argument("--gdn-kernel", default="auto",
+                    help="comma-separated: auto (the engine's default: the GDN kernels on a GPU), on, off (XLA's "
+                         "chunked form; the configuration's name ends in -xla-gdn)")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
     ap.add_argument("--max-seq-len", type=int, default=0,
                     help="the context the engine plans for (default: the prompt rounded up to whole pages, at "
@@ -391,6 +395,9 @@ def main(argv=None) -> int:
     overlaps = args.overlap.split(",")
     if not set(overlaps) <= {"on", "off"}:
         ap.error(f"--overlap takes on and/or off, got {args.overlap!r}")
+    gdn_kernels = args.gdn_kernel.split(",")
+    if not set(gdn_kernels) <= {"auto", "on", "off"}:
+        ap.error(f"--gdn-kernel takes auto, on and/or off, got {args.gdn_kernel!r}")
     chunks = [int(c) for c in args.chunks.split(",")]
     if min(chunks) < 1 or args.prompt < 1 or args.short_prompt < 1 or args.reps < 1:
         ap.error("chunks, --prompt, --short-prompt and --reps must be positive")
@@ -421,8 +428,11 @@ def main(argv=None) -> int:
     configs = []
     for mode in modes:
         for chunk in chunks:
-            for routing, overlap in ((r, o) for r in routings for o in (overlaps if mode == "host" else ["off"])):
-                name = f"{mode}-c{chunk}-{routing}" + ("-overlap" if overlap == "on" else "")
+            for routing, overlap, gdn_kernel in ((r, o, g) for r in routings
+                                                 for o in (overlaps if mode == "host" else ["off"])
+                                                 for g in gdn_kernels):
+                name = (f"{mode}-c{chunk}-{routing}" + ("-overlap" if overlap == "on" else "")
+                        + {"auto": "", "on": "-gdn-kernel", "off": "-xla-gdn"}[gdn_kernel])
                 if args.only and name not in args.only.split(","):
                     continue
                 seq = args.max_seq_len or -(-max(args.prompt, args.short_prompt, chunk) // align) * align
@@ -439,6 +449,7 @@ def main(argv=None) -> int:
                     continue
                 configs.append({"name": name, "mode": mode, "chunk": chunk, "routing": routing, "plan": plan,
                                 "overlap": overlap,
+                                "gdn_kernel": {"auto": None, "on": True, "off": False}[gdn_kernel],
                                 "cfg": cfg, "record_bytes": model.layout.record_bytes})
     device_params = decode.device_resident(model) if any(c["mode"] == "device" for c in configs) else None
 
@@ -460,7 +471,8 @@ def main(argv=None) -> int:
         host = (HostExperts(model.pool, model.layout, plan.cache_slots, overlap=c["overlap"] == "on")
                 if c["mode"] == "host" else None)
         c["engine"] = Engine(cfg, device_params if c["mode"] == "device" else model.params, plan=plan,
-                             host_experts=host, ngram=model.ngram, routing=feed)
+                             host_experts=host, ngram=model.ngram, routing=feed, gdn_kernel=c["gdn_kernel"])
+        c["gdn_kernel"] = c["engine"].gdn_kernel
         for n in plan.notes:
             log(f"  {c['name']}: plan: {n}")
 

@@ -23,7 +23,7 @@ import pytest
 import jaxflash
 from jaxflash import presets
 from jaxflash.config import FULL_ATTENTION
-from jaxflash.kernels import gdn_decode, on_gpu
+from jaxflash.kernels import gdn_chunk, gdn_decode, on_gpu
 from jaxflash.model import gated_deltanet as gdn
 
 from numerics import rel_err
@@ -113,12 +113,14 @@ def test_default_is_the_kernel_on_a_gpu_only(nvfp4_plain):
 
 @pytest.mark.xdist_group("nvfp4")  # conftest.py's NVFP4 engines, shared with test_engine.py
 def test_engine_decode_with_the_kernel_equals_xla(nvfp4_dir, nvfp4_plain, trace_decode, monkeypatch):
-    """Decoding with the kernel gives the XLA path's tokens and, every decode step, its logits to float32
-    noise (1e-5 of the largest logit). The XLA path is conftest.py's engine of the same model and geometry
-    where that is its default (not on a GPU)."""
-    traced = []
-    real = gdn_decode.recurrent_step
+    """Decoding with the kernels (the decode kernel, and the chunk kernels for the prompt's chunk of 11 tokens)
+    gives the XLA path's tokens and, every decode step, its logits to float32 noise (1e-5 of the largest logit).
+    The XLA path is conftest.py's engine of the same model and geometry where that is its default (not on a
+    GPU)."""
+    traced, chunked = [], []
+    real, real_chunk = gdn_decode.recurrent_step, gdn_chunk.chunk_rule
     monkeypatch.setattr(gdn_decode, "recurrent_step", lambda *a, **k: traced.append(1) or real(*a, **k))
+    monkeypatch.setattr(gdn_chunk, "chunk_rule", lambda *a, **k: chunked.append(1) or real_chunk(*a, **k))
     kw = dict(expert_residency="device", max_batch=4, max_seq_len=128, prefill_chunk=16, progress=False)
     on = jaxflash.load(nvfp4_dir, gdn_kernel=True, **kw)
     off = nvfp4_plain if not nvfp4_plain.gdn_kernel else jaxflash.load(nvfp4_dir, gdn_kernel=False, **kw)
@@ -127,9 +129,11 @@ def test_engine_decode_with_the_kernel_equals_xla(nvfp4_dir, nvfp4_plain, trace_
     toks_on, logits_on, _ = on.scheduler.step_logits(prompt, 8)
     gdn_layers = sum(t != FULL_ATTENTION for t in cfg.layer_types)
     assert len(traced) >= gdn_layers  # the decode program's GDN layers went through the kernel
-    n = len(traced)
+    assert len(chunked) >= gdn_layers  # and the prefill program's through the chunk kernels
+    n, n_chunked = len(traced), len(chunked)
     toks_off, logits_off, _ = off.scheduler.step_logits(prompt, 8)
     trace_decode(off)  # its programs may have been built before the patch: trace its decode step again
-    assert len(traced) == n  # and gdn_kernel=False never calls it
+    assert len(traced) == n  # and gdn_kernel=False never calls them
+    assert len(chunked) == n_chunked
     assert toks_on == toks_off
     assert rel_err(logits_on, logits_off) < 1e-5

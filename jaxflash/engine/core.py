@@ -24,7 +24,7 @@ import numpy as np
 from .. import ffi
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..kernels import attention_decode, gdn_decode, hc_mix, nvfp4_experts, on_gpu
+from ..kernels import attention_decode, gdn_chunk, gdn_decode, hc_mix, nvfp4_experts, on_gpu
 from ..model import mtp as mtp_mod
 from ..model import ple as ple_mod
 from ..model import transformer
@@ -61,9 +61,10 @@ class Engine:
         expert_kernel: compute the decode steps' routed experts with the NVFP4 kernels (None: where they apply,
         NVFP4 experts on a GPU; False: the jnp path, e.g. to compare numerics; "pallas" / "cuda": that route of
         the kernels, jaxflash.kernels.nvfp4_experts).
-        gdn_kernel: run the decode steps' GDN recurrent part in jaxflash.kernels.gdn_decode (None: on a GPU for a
-        model it takes; True elsewhere runs it in interpret mode). hc_kernel: steps of few token rows run their
-        hyper-connection mixes in jaxflash.kernels.hc_mix (see load).
+        gdn_kernel: run the GDN recurrent part of decode steps in jaxflash.kernels.gdn_decode and of prefill chunks
+        in jaxflash.kernels.gdn_chunk (None: on a GPU for a model they take; True elsewhere runs them in
+        interpret mode). hc_kernel: steps of few token rows run their hyper-connection mixes in
+        jaxflash.kernels.hc_mix (see load).
         attention_kernel: decode and verify steps attend in jaxflash.kernels.attention_decode (None: on a GPU for a
         model it takes; True elsewhere runs it in interpret mode).
         speculative, draft_tokens: see load."""
@@ -71,11 +72,12 @@ class Engine:
         self.plan, self.host_experts, self.ngram, self.routing = plan, host_experts, ngram, routing
         nvfp4_experts.expert_kernel_choice(expert_kernel)  # a bad value fails here, before anything compiles
         self.expert_kernel = expert_kernel
-        if gdn_kernel and not gdn_decode.takes(config, params.dtype):
-            raise ValueError("gdn_kernel=True: the GDN decode kernel takes bfloat16 or float32 models with "
-                             "power-of-two head sizes")
+        gdn_takes = gdn_decode.takes(config, params.dtype) and gdn_chunk.takes(config, params.dtype)
+        if gdn_kernel and not gdn_takes:
+            raise ValueError("gdn_kernel=True: the GDN kernels take bfloat16 or float32 models with head sizes "
+                             "that are powers of two of at least 16")
         if gdn_kernel is None:
-            gdn_kernel = on_gpu() and gdn_decode.takes(config, params.dtype)
+            gdn_kernel = on_gpu() and gdn_takes
         self.gdn_kernel = gdn_kernel
         if hc_kernel is None:
             hc_kernel = on_gpu() and hc_mix.FASTER_ROWS
@@ -331,9 +333,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     True elsewhere runs them in interpret mode, False keeps the jnp path everywhere); "cuda" takes the CUDA route
     of jaxflash.kernels.nvfp4_experts instead (bfloat16 models; slower than Pallas up to 8 rows on the H200, but
     it takes up to 32 rows a step; on the CPU its C++ handler runs), "pallas" names the default.
-    gdn_kernel: decode steps run the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode;
-    default: on a GPU where it applies, bfloat16 or float32; True elsewhere runs it in interpret mode, False keeps
-    XLA's form). hc_kernel: decode and verify steps run the hyper-connection mixes in two kernels each, with the
+    gdn_kernel: decode steps run the GDN recurrent part in one kernel per layer (jaxflash.kernels.gdn_decode),
+    prefill chunks its chunked form in three (jaxflash.kernels.gdn_chunk); default: on a GPU where they apply,
+    bfloat16 or float32; True elsewhere runs them in interpret mode, False keeps XLA's form.
+    hc_kernel: decode and verify steps run the hyper-connection mixes in two kernels each, with the
     combine before the MoE's mix inside them (jaxflash.kernels.hc_mix). Default: on a GPU for steps of one token
     row (hc_mix.FASTER_ROWS; from 2 rows XLA's mix is faster on the H200); an int: steps of at most that many
     rows; True: every step the kernels take (up to hc_mix.MAX_ROWS rows; elsewhere than a GPU in interpret mode);

@@ -135,6 +135,8 @@ class CachedExperts:
         overlap = host.overlap and slots_n >= 2 and ffi.gathers_beside(host.pool, host.gather_mode)
         block = min(slots_n // 2 if overlap else slots_n, num_experts)
         kernel = host.layout.kind == "nvfp4" and (host.kernel if host.kernel is not None else nvfp4_grouped.takes(x))
+        # the kernels' even/odd input columns, split once here: inside the block loop XLA split them per block
+        xs_split = nvfp4_grouped.split_inputs(xs) if kernel else None
 
         def resolve(b, lru):
             """Block b's resolve and the slot of each of its tiles (-1: another block's tile)."""
@@ -151,7 +153,7 @@ class CachedExperts:
             """The tiles of one block, from their slots; other tiles keep their rows of ys."""
             if kernel:
                 place, operands = nvfp4_experts.record_operands(host.layout, cache)
-                return nvfp4_grouped.grouped_experts(place, operands, xs, tile_slot, GROUP_TILE, y0=ys)
+                return nvfp4_grouped.grouped_experts(place, operands, xs_split, tile_slot, GROUP_TILE, y0=ys)
             we = take_experts(records_as_experts(host.layout, cache), jnp.maximum(tile_slot, 0))  # the twin
             yt = expert_tiles(we, xs.reshape(-1, GROUP_TILE, x.shape[-1])).reshape(ys.shape)
             return jnp.where(jnp.repeat(tile_slot >= 0, GROUP_TILE)[:, None], yt, ys)

@@ -91,8 +91,8 @@ class Setup:
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
     expert_kernel: bool | str | None = None  # decode's resident experts by the NVFP4 kernels (None: where they
     # apply; "pallas" / "cuda": that route; host residency: host.kernel and host.route say the same for the slots)
-    gdn_kernel: bool = False  # decode's GDN recurrent part by jaxflash.kernels.gdn_decode (the Engine turns it on
-    # on a GPU; elsewhere it runs in interpret mode, for tests)
+    gdn_kernel: bool = False  # the GDN recurrent part by jaxflash.kernels.gdn_decode (decode steps) and gdn_chunk
+    # (prefill chunks); the Engine turns it on on a GPU; elsewhere they run in interpret mode, for tests
     hc_kernel_rows: int = 0  # decode and verify steps of at most this many token rows run their hyper-connection
     # mixes in jaxflash.kernels.hc_mix (the Engine sets hc_mix.FASTER_ROWS on a GPU; elsewhere they run in
     # interpret mode, for tests)
@@ -447,7 +447,8 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
     rows, context, ple_status = _ple_rows(setup, tokens[None], seq.ple_context, n[None])
     experts = _step_experts(setup, st, decode=False)
     states = _per_slot(lambda t: _row(t, slot), st.layers)
-    h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids)
+    h, states, experts, _ = forward_layers(params, cfg, tokens[None], batch, states, experts, rows, expert_ids,
+                                           setup.gdn_kernel)
     layers = _per_slot(lambda t, r: _set_row(t, slot, r), st.layers, states)
     experts = experts.cache if setup.host is not None else None
     status, misses, lookups = _cache_counts(experts)

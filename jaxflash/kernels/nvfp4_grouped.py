@@ -140,18 +140,24 @@ def _down_kernel(ids_ref, ae_ref, ao_ref, *refs, place: Placement, tile: int, t:
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
+def split_inputs(xs: Array) -> tuple[Array, Array]:
+    """xs [R, H] as the kernels read it: its even and odd columns (two copies of [R, H/2]). A caller that runs the
+    kernels several times on the same rows (the host cache's blocks of experts) splits them once."""
+    return xs[:, 0::2], xs[:, 1::2]
+
+
 @partial(jax.jit, static_argnames=("place", "tile", "tiles", "interpret"))
-def _grouped(xs, ids, y0, operands, place: Placement, tile: int, tiles: GroupTiles, interpret: bool):
+def _grouped(xe, xo, ids, y0, operands, place: Placement, tile: int, tiles: GroupTiles, interpret: bool):
     n_tiles = ids.shape[0]
     t = tiles.fit(place)
-    dt = xs.dtype
+    dt = xe.dtype
     params = compiler_params(interpret, t.warps, t.stages)
     act = pl.pallas_call(
         partial(_gate_up_kernel, place=place, tile=tile, t=t),
         out_shape=jax.ShapeDtypeStruct((n_tiles * tile, place.inter), dt),
         grid=(n_tiles, place.inter // t.rows_gu), compiler_params=params, interpret=interpret,
         name="nvfp4_grouped_gate_up",
-    )(ids, xs[:, 0::2], xs[:, 1::2], *operands)
+    )(ids, xe, xo, *operands)
     # Without y0 the kernel writes the zeros of empty tiles itself: a zero-filled y0 would depend on nothing,
     # and XLA builds such buffers for every layer at once in one fused kernel at the start of the program,
     # where they stay (one [rows, H] buffer per layer: most of a prefill chunk's temporaries on the H200).
@@ -161,25 +167,27 @@ def _grouped(xs, ids, y0, operands, place: Placement, tile: int, tiles: GroupTil
         out_shape=jax.ShapeDtypeStruct((n_tiles * tile, place.hidden), dt),
         grid=(n_tiles, place.hidden // t.rows_down), compiler_params=params, interpret=interpret,
         input_output_aliases={} if y0 is None else {3: 0}, name="nvfp4_grouped_down",
-    )(ids, act[:, 0::2], act[:, 1::2], *y0_arg, *operands)
+    )(ids, *split_inputs(act), *y0_arg, *operands)
 
 
-def grouped_experts(place: Placement, operands: tuple[Array, ...], xs: Array, ids: Array, tile: int,
-                    y0: Array | None = None, tiles: GroupTiles = GroupTiles(),
+def grouped_experts(place: Placement, operands: tuple[Array, ...], xs: Array | tuple[Array, Array], ids: Array,
+                    tile: int, y0: Array | None = None, tiles: GroupTiles = GroupTiles(),
                     interpret: bool | None = None) -> Array:
-    """y [R, H] (xs's dtype) for the rows xs [R, H] of R / tile tiles: tile t's rows through expert (or slot)
-    ids[t] (int32 [R / tile]); rows of tiles with id -1 are y0's (zeros when None). `place`/`operands` from
-    nvfp4_experts.resident_operands or record_operands. interpret: default on anything but a GPU."""
-    if xs.dtype not in (jnp.bfloat16, jnp.float32):
-        raise TypeError(f"the grouped NVFP4 kernel takes bfloat16 or float32 rows, not {xs.dtype}")
-    if xs.shape[0] != ids.shape[0] * tile:
-        raise ValueError(f"{xs.shape[0]} rows are not {ids.shape[0]} tiles of {tile}")
+    """y [R, H] (xs's dtype) for the rows xs [R, H] (or split_inputs(xs)) of R / tile tiles: tile t's rows
+    through expert (or slot) ids[t] (int32 [R / tile]); rows of tiles with id -1 are y0's (zeros when None).
+    `place`/`operands` from nvfp4_experts.resident_operands or record_operands. interpret: default on anything
+    but a GPU."""
+    xe, xo = xs if isinstance(xs, tuple) else split_inputs(xs)
+    if xe.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"the grouped NVFP4 kernel takes bfloat16 or float32 rows, not {xe.dtype}")
+    if xe.shape[0] != ids.shape[0] * tile or xo.shape != xe.shape:
+        raise ValueError(f"{xe.shape[0]} rows are not {ids.shape[0]} tiles of {tile}")
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"the tile must be a power of two >= 16 (a tensor-core dimension), got {tile}")
     if interpret is None:
         interpret = not on_gpu()
-    y0 = None if y0 is None else y0.astype(xs.dtype)
-    return _grouped(xs, ids.astype(jnp.int32), y0, tuple(operands), place, tile, tiles, interpret)
+    y0 = None if y0 is None else y0.astype(xe.dtype)
+    return _grouped(xe, xo, ids.astype(jnp.int32), y0, tuple(operands), place, tile, tiles, interpret)
 
 
-__all__ = ["GroupTiles", "grouped_experts", "is_nvfp4", "takes"]
+__all__ = ["GroupTiles", "grouped_experts", "is_nvfp4", "split_inputs", "takes"]

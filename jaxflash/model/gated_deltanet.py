@@ -4,8 +4,8 @@ Per value head h the state S_h [dk, dv] evolves as
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 Prefill uses the chunked (WY / UT-transform) form, which turns 64 sequential updates into a few matmuls;
 decode and verify steps (up to UNROLL tokens) use the recurrence directly. Both run in float32 (float64 for a
-float64 model). Decode steps on a GPU run the recurrence in a kernel (jaxflash.kernels.gdn_decode), whose twin
-is this module's code.
+float64 model). On a GPU decode steps run the recurrence in a kernel (jaxflash.kernels.gdn_decode) and prefill
+chunks the chunked form in three (jaxflash.kernels.gdn_chunk); this module's code is the twin of both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..kernels import gdn_decode
+from ..kernels import gdn_chunk, gdn_decode
 from .base import Array, acc_dtype, linear, linear_split, pytree_dataclass, silu, stacked_part, up
 from .norms import l2norm, rms_norm_gated
 
@@ -220,11 +220,12 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 
 def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState,
-                   n_valid: Array | int | None = None,
-                   pending: bool = False) -> tuple[Array, GDNState | GDNPending]:
+                   n_valid: Array | int | None = None, pending: bool = False,
+                   kernel: bool = False) -> tuple[Array, GDNState | GDNPending]:
     """One sequence: x [T, H] -> ([T, H], new state). Rows at or past `n_valid` are padding: they leave the
     state as it was. pending: return a GDNPending instead of the new state (a verify step: `commit` then keeps
-    the accepted tokens). This code is also the twin of the decode kernel (see gated_deltanet_batch)."""
+    the accepted tokens). kernel: the chunked form (T > UNROLL, not pending) runs in jaxflash.kernels.gdn_chunk.
+    This code is also the twin of the decode kernel (see gated_deltanet_batch)."""
     t = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -246,12 +247,15 @@ def gated_deltanet(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
         beta = jnp.where(live[:, None], beta, 0.0)
         g = jnp.where(live[:, None], g, 0.0)
 
-    # each key head serves hv/hk consecutive value heads
-    q = l2norm(jnp.repeat(q, hv // hk, axis=1)) * (dk ** -0.5)
-    k = l2norm(jnp.repeat(k, hv // hk, axis=1))
-
-    rule = recurrent_gated_delta_rule if t <= UNROLL else chunk_gated_delta_rule
-    o, recurrent = rule(q, k, v, g, beta, state.recurrent)
+    q = l2norm(q) * (dk ** -0.5)
+    k = l2norm(k)
+    if kernel and t > UNROLL and not pending:  # the kernels read each key head where its value heads need it
+        o, recurrent = gdn_chunk.chunk_rule(q, k, v, g, beta, state.recurrent,
+                                            precision=gdn_chunk.precision_for(x.dtype))
+    else:  # each key head serves hv/hk consecutive value heads
+        q, k = (jnp.repeat(a, hv // hk, axis=1) for a in (q, k))
+        rule = recurrent_gated_delta_rule if t <= UNROLL else chunk_gated_delta_rule
+        o, recurrent = rule(q, k, v, g, beta, state.recurrent)
 
     o = rms_norm_gated(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(t, hv * dv), p.out_proj)
@@ -266,13 +270,14 @@ def gated_deltanet_batch(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GD
     """gated_deltanet over B sequences: x [B, T, H], n_valid [B], a state of N >= B rows (conv [N, K-1, C],
     recurrent [N, Hv, dk, dv]). Sequence i owns row i; rows B..N-1 (the engine's slots outside a decode
     bucket) come back as they were, so a bucket never cuts its rows out of the whole state (see the decode
-    kernel). kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode (compiled on
-    a GPU, interpreted elsewhere). pending: a GDNPendingBatch (commit_batch then writes the kept rows)."""
+    kernel). kernel: a decode step (T = 1) runs its recurrent part in jaxflash.kernels.gdn_decode, a prefill
+    chunk (T > UNROLL) its chunked form in jaxflash.kernels.gdn_chunk (compiled on a GPU, interpreted
+    elsewhere). pending: a GDNPendingBatch (commit_batch then writes the kept rows)."""
     b, t = x.shape[:2]
     if kernel and t == 1 and not pending:
         return _decode_kernel(p, cfg, x[:, 0], state, n_valid)
     rows = GDNState(conv=state.conv[:b], recurrent=state.recurrent[:b])
-    y, new = jax.vmap(lambda xx, st, n: gated_deltanet(p, cfg, xx, st, n, pending))(x, rows, n_valid)
+    y, new = jax.vmap(lambda xx, st, n: gated_deltanet(p, cfg, xx, st, n, pending, kernel))(x, rows, n_valid)
     if pending:
         return y, GDNPendingBatch(rows=new, whole=state)
     return y, _put_rows(state, new)

@@ -83,9 +83,9 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
     ple_rows [B, T, 16, d]: the n-gram rows of the new tokens (PLE layer only).
     expert_ids [B*T, k]: fixed routing instead of the router's top-k (see moe.moe).
-    gdn_kernel: decode steps run the GDN recurrent part in its kernel (gated_deltanet's `kernel`); hc_kernel:
-    the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's `kernel`); attn_kernel:
-    decode and verify steps attend in theirs (attention's `kernel`).
+    gdn_kernel: decode steps and prefill chunks run the GDN recurrent part in kernels (gated_deltanet's
+    `kernel`); hc_kernel: the hyper-connection mixes of a few rows run in theirs (hyper_connection.mix's
+    `kernel`); attn_kernel: decode and verify steps attend in theirs (attention's `kernel`).
     pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPendingBatch, the PLE
     conv history) until `commit_layers` keeps each sequence's accepted tokens; the KV pages are written for
     every new token (positions past a sequence's length are never read, and later tokens overwrite them).
