@@ -51,7 +51,7 @@ def _twin(q, k, v, g, beta, s):
     (100, (2, 4), (16, 16), 16, False),   # past one chunk, padded; two value heads per key head
     (64, (2, 6), (32, 16), 8, False),     # exactly one chunk; three per key head; two column blocks
     (30, (1, 2), (16, 32), 16, False),    # shorter than a chunk
-    (200, (2, 2), (16, 16), 16, True),    # one value head per key head; the hard input
+    (130, (2, 2), (16, 16), 16, True),    # one value head per key head; the hard input
 ])
 def test_chunk_rule_matches_twin(t, heads, dims, block_v, hard):
     rng = np.random.default_rng(t)
@@ -77,10 +77,11 @@ def test_padding_rows_leave_the_state():
     assert rel_err(o_pad[:70], o_70) < TOL
 
 
-@pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-def test_gated_deltanet_with_the_kernels(dt, monkeypatch):
+def test_gated_deltanet_with_the_kernels(monkeypatch):
     """A prefill chunk of two sequences (vmapped, as the engine runs them), one of them with padding rows, through
-    gated_deltanet_batch with kernel=True against kernel=False; 8 tokens (UNROLL) still take the recurrence."""
+    gated_deltanet_batch with kernel=True against kernel=False, in bfloat16 (the float32 arithmetic is the
+    tests above'); 8 tokens (UNROLL) still take the recurrence."""
+    dt = jnp.bfloat16
     cfg = presets.preset("tiny").replace(linear_num_key_heads=2, linear_num_value_heads=4)
     rng = np.random.default_rng(11)
     p = random_layer(rng, cfg, dt)
@@ -99,9 +100,9 @@ def test_gated_deltanet_with_the_kernels(dt, monkeypatch):
         monkeypatch.setattr(gdn_chunk, "chunk_rule", lambda *a, t=t, **kw: calls.append(t) or real(*a, **kw))
         y1, s1 = run(True)
         y0, s0 = run(False)
-        assert rel_err(y1, y0) < (TOL if dt == jnp.float32 else 8e-3)  # bf16 y: one ulp either side
+        assert rel_err(y1, y0) < 8e-3  # bf16 y: one ulp either side
         # a bfloat16 model's kernels take TF32 on a GPU (gdn_chunk.precision_for)
-        assert rel_err(s1.recurrent, s0.recurrent) < (2e-3 if dt == jnp.bfloat16 and on_gpu() else TOL)
+        assert rel_err(s1.recurrent, s0.recurrent) < (2e-3 if on_gpu() else TOL)
         np.testing.assert_array_equal(np.asarray(s1.conv, np.float32), np.asarray(s0.conv, np.float32))
     assert calls == [80]  # the chunk of 80 tokens took the kernels, the 8 tokens the recurrence
 
