@@ -161,9 +161,10 @@ def device_resident(model: Model):
     return params
 
 
-def gather_bandwidth(pool, layout, misses: int) -> float | None:
-    """GB/s of the zero-copy gather kernel copying `misses` random records from the pool (CUDA events, outside
-    XLA; None without the CUDA module)."""
+def gather_bandwidth(pool, layout, misses: int, zero_copy: bool = True) -> float | None:
+    """GB/s of the zero-copy gather kernel (or with zero_copy=False the copy engines, one cudaMemcpyAsync per
+    record) copying `misses` random records from the pool (CUDA events, outside XLA; None without the CUDA
+    module)."""
     import numpy as np
 
     from jaxflash import ffi
@@ -175,7 +176,7 @@ def gather_bandwidth(pool, layout, misses: int) -> float | None:
     slots = max(misses, 256)
     lists = np.stack([np.stack([rng.choice(pool.num_experts, misses, replace=False),
                                 rng.choice(slots, misses, replace=False)], axis=1) for _ in range(16)]).astype(np.int32)
-    sec, ok = mod.bench_gather(pool.id, 0, lists, slots, True, 40)
+    sec, ok = mod.bench_gather(pool.id, 0, lists, slots, zero_copy, 40)
     if not ok:
         raise RuntimeError("bench_gather: gathered bytes differ from the pool")
     return misses * layout.record_bytes / sec / 1e9

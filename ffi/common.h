@@ -64,6 +64,7 @@ enum Counter : int {
   kCallGatherStartCuda,
   kCallGatherWaitCuda,
   kCallGatherWaitCpu,
+  kCallGatherStartMemcpyCuda,
   kNumCounters,
 };
 extern std::atomic<int64_t> g_calls[kNumCounters];

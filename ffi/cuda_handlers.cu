@@ -345,28 +345,38 @@ void keep_contents(cudaStream_t stream, void* out, const ffi::AnyBuffer& in) {
   if (out != in.untyped_data()) cudaMemcpyAsync(out, in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
 }
 
-// What the zero-copy gather needs, checked (`who` names the call in errors): the pool, the cache's geometry, and
-// the output cache, holding the input's contents (a copy on XLA's stream when the two are not aliased).
-struct ZeroCopyGather {
+// What every gather needs, checked: the pool, the cache's geometry, and the output cache, holding the input's
+// contents (a copy on XLA's stream when the two are not aliased).
+struct Gather {
   std::shared_ptr<ExpertPool> pool;
   GatherShape shape;
   uint8_t* cache;
 };
 
-ffi::ErrorOr<ZeroCopyGather> zero_copy_gather(cudaStream_t stream, const char* who, const ffi::AnyBuffer& misses,
-                                              const ffi::AnyBuffer& info, const ffi::AnyBuffer& cache_in,
-                                              ffi::Result<ffi::AnyBuffer>& cache_out, int64_t pool_id, int64_t layer) {
+ffi::ErrorOr<Gather> checked_gather(cudaStream_t stream, const ffi::AnyBuffer& misses, const ffi::AnyBuffer& info,
+                                    const ffi::AnyBuffer& cache_in, ffi::Result<ffi::AnyBuffer>& cache_out,
+                                    int64_t pool_id, int64_t layer) {
   auto pool = pool_get(pool_id);
   auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
   if (shape.has_error()) return ffi::Unexpected(shape.error());
-  if (!pool->pinned || pool->record_bytes % 16)
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string(who) + ": pool " + std::to_string(pool_id) + " needs the zero-copy kernel: pinned (" +
-        (pool->pinned ? "yes" : "no: " + pool->note + "; use mode='memcpy'") + ") and records a multiple of 16 bytes (" +
-        std::to_string(pool->record_bytes) + ")"));
   uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
   keep_contents(stream, cache, cache_in);
-  return ZeroCopyGather{std::move(pool), *shape, cache};
+  return Gather{std::move(pool), *shape, cache};
+}
+
+// The zero-copy kernel also needs a pinned pool and records of whole 16-byte words (`who` names the call).
+ffi::ErrorOr<Gather> zero_copy_gather(cudaStream_t stream, const char* who, const ffi::AnyBuffer& misses,
+                                      const ffi::AnyBuffer& info, const ffi::AnyBuffer& cache_in,
+                                      ffi::Result<ffi::AnyBuffer>& cache_out, int64_t pool_id, int64_t layer) {
+  auto g = checked_gather(stream, misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return g;
+  const ExpertPool& pool = *g->pool;
+  if (!pool.pinned || pool.record_bytes % 16)
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(who) + ": pool " + std::to_string(pool_id) + " needs the zero-copy kernel: pinned (" +
+        (pool.pinned ? "yes" : "no: " + pool.note + "; use mode='memcpy'") + ") and records a multiple of 16 bytes (" +
+        std::to_string(pool.record_bytes) + ")"));
+  return g;
 }
 
 ffi::Error GatherZeroCopyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
@@ -394,38 +404,68 @@ void issue_memcpy_gather(cudaStream_t stream, const int32_t* m, int64_t n, const
   }
 }
 
-ffi::Error GatherMemcpyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
-                            ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id, int64_t layer) {
-  g_calls[kCallGatherMemcpyCuda].fetch_add(1, std::memory_order_relaxed);
-  auto pool = pool_get(pool_id);
-  auto shape = check_gather(misses, info, cache_in, pool.get(), pool_id, layer);
-  if (shape.has_error()) return shape.error();
-  uint8_t* cache = static_cast<uint8_t*>(cache_out->untyped_data());
-  keep_contents(stream, cache, cache_in);
-  // Pinned scratch for the miss list, grown on demand (this handler never runs under capture).
+// The miss list of a resolve, read back to pinned scratch (grown on demand; these handlers never run under
+// capture) once `stream` has produced it, and checked against the pool and the cache. Returns the count.
+ffi::ErrorOr<int64_t> read_misses(cudaStream_t stream, const char* who, const ffi::AnyBuffer& misses,
+                                  const ffi::AnyBuffer& info, const GatherShape& shape, const ExpertPool& pool,
+                                  const int32_t** list) {
+  auto fail = [who](const char* what) {
+    const std::string msg = std::string(who) + ": " + what;
+    ffi::Error err = cuda_error(msg.c_str());
+    return ffi::Unexpected(err.failure() ? std::move(err) : ffi::Error::Internal(msg));
+  };
   static thread_local int32_t* scratch = nullptr;
   static thread_local size_t scratch_bytes = 0;
-  const size_t need = size_t(4 + 2 * shape->max_misses) * sizeof(int32_t);
+  const size_t need = size_t(4 + 2 * shape.max_misses) * sizeof(int32_t);
   if (need > scratch_bytes) {
     if (scratch) cudaFreeHost(scratch);
     scratch = nullptr;
     scratch_bytes = 0;
     if (cudaHostAlloc(reinterpret_cast<void**>(&scratch), need, cudaHostAllocDefault) != cudaSuccess)
-      return cuda_error("gather: pinned scratch allocation");
+      return fail("pinned scratch allocation");
     scratch_bytes = need;
   }
   cudaMemcpyAsync(scratch, info.untyped_data(), 16, cudaMemcpyDeviceToHost, stream);
-  cudaMemcpyAsync(scratch + 4, misses.untyped_data(), size_t(2 * shape->max_misses) * sizeof(int32_t),
+  cudaMemcpyAsync(scratch + 4, misses.untyped_data(), size_t(2 * shape.max_misses) * sizeof(int32_t),
                   cudaMemcpyDeviceToHost, stream);
-  if (cudaStreamSynchronize(stream) != cudaSuccess) return cuda_error("gather: reading the miss list");
-  const int64_t n = scratch[2] == kOk ? std::min<int64_t>(scratch[0], shape->max_misses) : 0;
+  if (cudaStreamSynchronize(stream) != cudaSuccess)
+    return fail("reading the miss list");
+  const int64_t n = scratch[2] == kOk ? std::min<int64_t>(scratch[0], shape.max_misses) : 0;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t e = scratch[4 + 2 * r], v = scratch[5 + 2 * r];
-    if (e < 0 || e >= pool->num_experts || v < 0 || v >= shape->num_slots)
-      return ffi::Error::InvalidArgument("gather: miss " + std::to_string(r) + " = (expert " + std::to_string(e) +
-                                         ", slot " + std::to_string(v) + ") is out of range");
+    if (e < 0 || e >= pool.num_experts || v < 0 || v >= shape.num_slots)
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          std::string(who) + ": miss " + std::to_string(r) + " = (expert " + std::to_string(e) + ", slot " +
+          std::to_string(v) + ") is out of range"));
   }
-  issue_memcpy_gather(stream, scratch + 4, n, *pool, layer, cache + shape->cache_offset);
+  *list = scratch + 4;
+  return n;
+}
+
+// The copy engines take host addresses: the miss list is read back first (n records at `list`).
+struct MemcpyGather {
+  Gather g;
+  const int32_t* list;
+  int64_t n;
+};
+
+ffi::ErrorOr<MemcpyGather> memcpy_gather(cudaStream_t stream, const char* who, const ffi::AnyBuffer& misses,
+                                         const ffi::AnyBuffer& info, const ffi::AnyBuffer& cache_in,
+                                         ffi::Result<ffi::AnyBuffer>& cache_out, int64_t pool_id, int64_t layer) {
+  auto g = checked_gather(stream, misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return ffi::Unexpected(g.error());
+  const int32_t* list = nullptr;
+  auto n = read_misses(stream, who, misses, info, g->shape, *g->pool, &list);
+  if (n.has_error()) return ffi::Unexpected(n.error());
+  return MemcpyGather{std::move(*g), list, *n};
+}
+
+ffi::Error GatherMemcpyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info, ffi::AnyBuffer cache_in,
+                            ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id, int64_t layer) {
+  g_calls[kCallGatherMemcpyCuda].fetch_add(1, std::memory_order_relaxed);
+  auto g = memcpy_gather(stream, "gather", misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return g.error();
+  issue_memcpy_gather(stream, g->list, g->n, *g->g.pool, layer, g->g.cache + g->g.shape.cache_offset);
   return cuda_error("gather: memcpy");
 }
 
@@ -485,6 +525,25 @@ ffi::Error GatherStartCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyB
   return launch_gather_zero_copy((*side)->stream, static_cast<const int32_t*>(misses.untyped_data()),
                                  static_cast<const int32_t*>(info.untyped_data()), *g->pool, layer,
                                  g->cache + g->shape.cache_offset, g->shape.num_slots, g->shape.max_misses);
+}
+
+// The same beside XLA's stream, by the copy engines: the miss list is read back first (a sync of XLA's stream,
+// which inside a prefill block loop only waits for the resolve just enqueued: the loop's condition has already
+// waited for the previous block), then the side stream copies with cudaMemcpyAsync and the SMs stay free for
+// the kernels that run meanwhile. Needs a pinned pool for the copies to be asynchronous.
+ffi::Error GatherStartMemcpyCuda(cudaStream_t stream, ffi::AnyBuffer misses, ffi::AnyBuffer info,
+                                 ffi::AnyBuffer cache_in, ffi::Result<ffi::AnyBuffer> cache_out, int64_t pool_id,
+                                 int64_t layer) {
+  g_calls[kCallGatherStartMemcpyCuda].fetch_add(1, std::memory_order_relaxed);
+  auto side = side_stream(stream);
+  if (side.has_error()) return side.error();
+  auto g = memcpy_gather(stream, "gather_start", misses, info, cache_in, cache_out, pool_id, layer);
+  if (g.has_error()) return g.error();
+  std::lock_guard<std::mutex> lock((*side)->mu);
+  cudaEventRecord((*side)->fork, stream);  // the copies land after everything before them (the cache copy above)
+  cudaStreamWaitEvent((*side)->stream, (*side)->fork, 0);
+  issue_memcpy_gather((*side)->stream, g->list, g->n, *g->g.pool, layer, g->g.cache + g->g.shape.cache_offset);
+  return cuda_error("gather_start: memcpy");
 }
 
 // misses and info come in only to stay alive (XLA must not reuse their memory) until the side stream has read them.
@@ -674,6 +733,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherMemcpyCuda, jaxflash::GatherMemcpyCu
 
 // No command-buffer trait for these two: see "gather beside the kernels".
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherStartCuda, jaxflash::GatherStartCuda,
+                              JAXFLASH_GATHER_BINDING(JAXFLASH_CUDA_BIND));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherStartMemcpyCuda, jaxflash::GatherStartMemcpyCuda,
                               JAXFLASH_GATHER_BINDING(JAXFLASH_CUDA_BIND));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashGatherWaitCuda, jaxflash::GatherWaitCuda,

@@ -36,6 +36,7 @@ const char* counter_name(int counter) {
     case kCallGatherStartCuda: return "gather_start_cuda";
     case kCallGatherWaitCuda: return "gather_wait_cuda";
     case kCallGatherWaitCpu: return "gather_wait_cpu";
+    case kCallGatherStartMemcpyCuda: return "gather_start_memcpy_cuda";
     default: return "unknown";
   }
 }

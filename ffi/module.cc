@@ -29,6 +29,7 @@ XLA_FFI_Error* JaxflashResolveCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherZeroCopyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherMemcpyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherStartCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxflashGatherStartMemcpyCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashGatherWaitCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashPleCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxflashCopyCuda(XLA_FFI_CallFrame*);
@@ -96,6 +97,7 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_gather"] = capsule(JaxflashGatherCpu);
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherCpu);  // one copy path on the CPU
     d["jaxflash_gather_start"] = capsule(JaxflashGatherCpu);   // done when it returns: waiting is a no-op
+    d["jaxflash_gather_start_memcpy"] = capsule(JaxflashGatherCpu);
     d["jaxflash_gather_wait"] = capsule(JaxflashGatherWaitCpu);
     d["jaxflash_ple_step"] = capsule(JaxflashPleCpu);
     d["jaxflash_copy"] = capsule(JaxflashCopyCpu);
@@ -109,6 +111,7 @@ JAXFLASH_NB_MODULE(JAXFLASH_MODULE_NAME, m) {
     d["jaxflash_gather"] = capsule(JaxflashGatherZeroCopyCuda);
     d["jaxflash_gather_memcpy"] = capsule(JaxflashGatherMemcpyCuda);
     d["jaxflash_gather_start"] = capsule(JaxflashGatherStartCuda);
+    d["jaxflash_gather_start_memcpy"] = capsule(JaxflashGatherStartMemcpyCuda);
     d["jaxflash_gather_wait"] = capsule(JaxflashGatherWaitCuda);
     d["jaxflash_ple_step"] = capsule(JaxflashPleCuda);
     d["jaxflash_copy"] = capsule(JaxflashCopyCuda);

@@ -185,6 +185,34 @@ def test_gather_errors_are_clear():
         with pytest.raises(Exception, match="layer 1 is outside the pool's 1 layers"):
             jax.block_until_ready(F.gather(np.full((2, 2), -1, np.int32), np.zeros(4, np.int32),
                                            jnp.zeros((4, 64), jnp.uint8), pool=pool_id, layer=1))
+        with pytest.raises(ValueError, match="gather mode 'dma'"):
+            F.gather_start(np.full((2, 2), -1, np.int32), np.zeros(4, np.int32), jnp.zeros((4, 64), jnp.uint8),
+                           pool=pool_id, layer=0, mode="dma")
+    finally:
+        F.module().pool_release(pool_id)
+
+
+@pytest.mark.parametrize("mode", ["auto", "memcpy", "zero_copy"])
+def test_gather_start_and_wait_equal_gather(mode):
+    """gather_start (each mode its own custom call) then gather_wait leave the cache as gather does, and hand
+    `after` through unchanged."""
+    S, E, R = 4, 10, 64
+    pool_id, _ = random_pool(1, E, R)
+    try:
+        ids = jnp.asarray([7, 2, 9], jnp.int32)
+        r = F.resolve(ids, jnp.asarray(F.lru_state_init(S, E)), num_slots=S, num_experts=E)
+        want = np.asarray(F.gather(r.misses, r.info, F.cache_init(S, R), pool=pool_id, layer=0))
+        after = jnp.arange(5.0)
+
+        @jax.jit
+        def beside(cache, after):
+            cache = F.gather_start(r.misses, r.info, cache, pool=pool_id, layer=0, mode=mode)
+            return F.gather_wait(cache, after * 2, r.misses, r.info)
+
+        cache, after2 = beside(F.cache_init(S, R), after)
+        np.testing.assert_array_equal(np.asarray(cache), want)
+        np.testing.assert_array_equal(np.asarray(after2), np.arange(5.0) * 2)
+        assert int(np.asarray(r.info)[0]) == 3  # three records copied
     finally:
         F.module().pool_release(pool_id)
 

@@ -119,10 +119,12 @@ def test_ple_on_gpu_matches_reference(tmp_path):
             F.check_ple_info(bad.info)
 
 
-def test_gather_beside_the_kernels_on_gpu():
-    """A prefill chunk's block loop in small: block b+1 is copied in on the side stream (gather_start) while a
-    reduction reads block b's slots, then gather_wait joins. Records of 1 MiB so each copy takes a while. Every
-    block's reduction must see its own records, and the cache end up as plain gathers leave it."""
+@pytest.mark.parametrize("mode", ["memcpy", "zero_copy"])
+def test_gather_beside_the_kernels_on_gpu(mode):
+    """A prefill chunk's block loop in small: block b+1 is copied in on the side stream (gather_start, by the
+    copy engines or the zero-copy kernel) while a reduction reads block b's slots, then gather_wait joins.
+    Records of 1 MiB so each copy takes a while. Every block's reduction must see its own records, and the
+    cache end up as plain gathers leave it."""
     E, S, R, B = 40, 8, 1 << 20, 4  # blocks of half the slots, as engine/experts.py runs them
     pool_id, pool = random_pool(1, E, R, pin=True)
     order = np.random.default_rng(5).permutation(E).astype(np.int32)
@@ -135,7 +137,7 @@ def test_gather_beside_the_kernels_on_gpu():
         def body(b, carry):
             state, cache, sums, slots = carry
             r = block(jnp.minimum(b + 1, E // B - 1), state)
-            cache = F.gather_start(r.misses, r.info, cache, pool=pool_id, layer=0)
+            cache = F.gather_start(r.misses, r.info, cache, pool=pool_id, layer=0, mode=mode)
             total = jnp.sum(cache[slots].astype(jnp.uint32), axis=1)  # block b's records, read beside the copy
             cache, total = F.gather_wait(cache, total, r.misses, r.info)
             return r.state, cache, sums.at[b].set(total), r.slots

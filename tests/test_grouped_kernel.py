@@ -12,6 +12,8 @@ must keep y0's rows, resident tensors and cache-slot records. Tolerances, relati
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,11 +108,12 @@ def test_plan_tiles_puts_every_pair_in_a_tile_of_its_expert():
 
 
 def _cache(layout, ex, slots, kernel, overlap=False):
-    """A one-layer host pool holding ex's records and an empty CachedExperts of `slots` slots over it."""
+    """A one-layer host pool holding ex's records and an empty CachedExperts of `slots` slots over it; overlap
+    False, or the mode of the copy beside the kernels (HostExperts.overlap_mode)."""
     e = ex.gate.packed.shape[0]
     pool = ffi.ExpertPool(layout, 1, e)
     pool.array[0] = records_of(layout, ex)
-    host = HostExperts(pool, layout, slots, kernel=kernel, overlap=overlap)
+    host = HostExperts(pool, layout, slots, kernel=kernel, overlap=bool(overlap), overlap_mode=overlap or "auto")
     return pool, CachedExperts.empty(host, 1)
 
 
@@ -119,7 +122,7 @@ def _cache(layout, ex, slots, kernel, overlap=False):
 SECOND_CHUNK_LEAVES = {False: [0, 2, 3, 5], True: [0, 2, 3, 8]}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, "auto", "zero_copy"])
 @pytest.mark.parametrize("kernel", [False, True])
 def test_a_chunk_goes_through_the_cache_in_blocks(kernel, overlap):
     """9 experts, 4 slots: a chunk hitting 7 of them runs in blocks (of 4, or of 2 when each block's copy runs
@@ -156,9 +159,9 @@ def test_a_chunk_goes_through_the_cache_in_blocks(kernel, overlap):
         np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
         assert int(src2.cache.status[0][0]) == 3
         f = ffi.lru_state_fields(src2.cache.lru[0], 4, e)
-        assert sorted(f["slot_expert"].tolist()) == SECOND_CHUNK_LEAVES[overlap]
+        assert sorted(f["slot_expert"].tolist()) == SECOND_CHUNK_LEAVES[bool(overlap)]
         calls = ffi.handler_calls()
-        assert (calls["gather_wait_cpu"] + calls.get("gather_wait_cuda", 0) > 0) == overlap
+        assert (calls["gather_wait_cpu"] + calls.get("gather_wait_cuda", 0) > 0) == bool(overlap)
         # a padding row routes like the first token and brings nothing in
         valid = valid.at[-1].set(False)
         y3, src3 = jax.jit(lambda s, x, ids, w: s.routed(0, None, x, ids.at[-1].set(jnp.asarray([1, 4])), w,
@@ -166,7 +169,7 @@ def test_a_chunk_goes_through_the_cache_in_blocks(kernel, overlap):
         assert int(src3.cache.status[0][1]) == 7  # experts 1 and 4 were not looked up
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, "auto", "zero_copy"])
 def test_chunk_blocks_update_the_slots_in_place(overlap):
     """The block loop reads and writes the layer's slots in place: the compiled chunk holds no copy of the
     slot array (unrolled blocks made XLA copy every layer's slots; a side-stream copy must not either)."""
@@ -184,4 +187,8 @@ def test_chunk_blocks_update_the_slots_in_place(overlap):
         slot_shape = f"u8[4,{layout.record_bytes}]"
         copies = [l for l in hlo.splitlines() if " copy(" in l and slot_shape in l.split("=")[1].split(" copy(")[0]]
         assert not copies, copies
-        assert ("jaxflash_gather_wait" in hlo) == overlap
+        assert ("jaxflash_gather_wait" in hlo) == bool(overlap)
+        # each mode of the copy beside the kernels is its own custom call (on the CPU one copy path serves both)
+        starts = set(re.findall(r'custom_call_target="(jaxflash_gather_start\w*)"', hlo))
+        assert starts == {False: set(), "auto": {"jaxflash_gather_start_memcpy"},
+                          "zero_copy": {"jaxflash_gather_start"}}[overlap]

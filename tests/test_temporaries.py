@@ -143,8 +143,9 @@ def test_grouped_kernels_and_their_tiles_build_nothing_from_nothing():
     assert buffers_from_nothing(moe.experts_tiled, ex, x, ids, w, min_elems=n * h) == []
 
 
+@pytest.mark.parametrize("overlap", [False, True])  # copy then compute; each block's copy beside the kernels
 @pytest.mark.parametrize("kernel", [False, True])
-def test_the_cache_block_loop_builds_nothing_from_nothing(kernel):
+def test_the_cache_block_loop_builds_nothing_from_nothing(kernel, overlap):
     from jaxflash import ffi
 
     rng = np.random.default_rng(1)
@@ -154,7 +155,7 @@ def test_the_cache_block_loop_builds_nothing_from_nothing(kernel):
     pool = ffi.ExpertPool(layout, 1, e)
     pool.array[0] = records_of(layout, ex)
     with pool:
-        src = ChunkExperts(CachedExperts.empty(HostExperts(pool, layout, 4, kernel=kernel), 1))
+        src = ChunkExperts(CachedExperts.empty(HostExperts(pool, layout, 4, kernel=kernel, overlap=overlap), 1))
         x = jnp.asarray(rng.normal(size=(n, h)), jnp.float32)
         ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
         w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)

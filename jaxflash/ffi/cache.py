@@ -148,21 +148,36 @@ def _gather_call(target: str, who: str, misses, info, cache, pool, layer: int) -
 
 
 def gathers_beside(pool, mode: str = "auto") -> bool:
-    """Whether gather_start serves this pool and gather mode: the zero-copy kernel on a GPU (a pinned pool), or
-    the CPU backend (one copy path for every mode)."""
+    """Whether gather_start serves this pool and mode: on a GPU the zero-copy kernel needs a pinned pool, the
+    copy engines (memcpy) take any pool (asynchronous only from pinned memory); the CPU backend has one copy
+    path for every mode."""
     if jax.default_backend() == "cpu":
         return True
-    return (default_gather_mode(pool) if mode == "auto" else mode) == "zero_copy" and getattr(pool, "pinned", True)
+    return beside_mode(mode) == "memcpy" or getattr(pool, "pinned", True)
 
 
-def gather_start(misses, info, cache, *, pool, layer: int) -> jax.Array:
-    """`gather` (zero-copy) started beside what follows it: on a GPU the misses are copied on a side stream once
-    everything enqueued before this call is done, while XLA's stream goes on. Until `gather_wait` the missed
-    slots are being written: read only other slots in between. The CPU copies before returning."""
+def beside_mode(mode: str = "auto") -> str:
+    """gather_start's mode: "auto" is memcpy, the copy engines, which leave the SMs to the kernels that run
+    beside the copy (the zero-copy kernel's loads compete with them for the SMs)."""
+    if mode == "auto":
+        return "memcpy"
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode {mode!r}: expected 'auto' or one of {GATHER_MODES}")
+    return mode
+
+
+def gather_start(misses, info, cache, *, pool, layer: int, mode: str = "auto") -> jax.Array:
+    """`gather` started beside what follows it: on a GPU the misses are copied on a side stream once everything
+    enqueued before this call is done, while XLA's stream goes on. Until `gather_wait` the missed slots are
+    being written: read only other slots in between. mode (beside_mode) "memcpy": the copy engines, after the
+    miss list is read back (a stream sync, so not under capture); "zero_copy": the gather kernel. The CPU
+    copies before returning."""
     _ext.module()
-    if int(getattr(pool, "id", pool)) > 0 and not gathers_beside(pool):
-        raise ValueError("gather_start needs a pinned pool on a GPU (the zero-copy kernel); use gather()")
-    return _gather_call("jaxflash_gather_start", "gather_start", misses, info, cache, pool, layer)
+    mode = beside_mode(mode)
+    if int(getattr(pool, "id", pool)) > 0 and not gathers_beside(pool, mode):
+        raise ValueError("gather_start with mode='zero_copy' needs a pinned pool on a GPU; use mode='memcpy'")
+    target = "jaxflash_gather_start" if mode == "zero_copy" else "jaxflash_gather_start_memcpy"
+    return _gather_call(target, "gather_start", misses, info, cache, pool, layer)
 
 
 def gather_wait(cache, after, misses, info) -> tuple[jax.Array, jax.Array]:

@@ -19,7 +19,7 @@ from jax import lax
 from ..config import ModelConfig
 from ..kernels import attention_decode
 from . import qsa
-from .base import Array, TokenBatch, linear, linear_split, pytree_dataclass, stacked_part, up
+from .base import Array, TokenBatch, acc_dtype, linear, linear_split, matmul, pytree_dataclass, stacked_part, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -46,14 +46,16 @@ class Attention:
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """softmax(q k^T / sqrt(d) | mask) v in float32. q [T, nh, d]; k, v [S, nkv, d]; mask [T, S] bool."""
+    """softmax(q k^T / sqrt(d) | mask) v, the softmax in float32. q [T, nh, d]; k, v [S, nkv, d]; mask [T, S]
+    bool. Both products in q's dtype (base.matmul): in a bf16 model the scores are exact products summed in
+    float32, and the weights meet v rounded to bf16, below the output's own rounding."""
     t, nh, d = q.shape
     nkv = k.shape[1]
-    qg = up(q).reshape(t, nkv, nh // nkv, d)
-    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(qg.dtype), precision=lax.Precision.HIGHEST) * d ** -0.5
+    qg = q.reshape(t, nkv, nh // nkv, d)
+    s = matmul("tkgd,skd->kgts", qg, k.astype(q.dtype)) * d ** -0.5
     s = jnp.where(mask, s, -jnp.inf)
     w = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("kgts,skd->tkgd", w, v.astype(w.dtype), precision=lax.Precision.HIGHEST)
+    o = matmul("kgts,skd->tkgd", w.astype(q.dtype), v.astype(q.dtype))
     return o.reshape(t, nh, d).astype(q.dtype)
 
 
@@ -92,7 +94,7 @@ def attend_blocked(q: Array, k: Array, v: Array, pos: Array, valid: Array | None
 
     def query_block(xs):
         q_b, pos_b, valid_b, args_b = xs
-        qg = up(q_b).reshape(qb, nkv, g, d)
+        qg = q_b.reshape(qb, nkv, g, d)
         sel = None if select is None else select(pos_b, *args_b)
         # keys after the block's last real query are causal-masked for all its real rows: skip their blocks
         last = jnp.max(jnp.where(valid_b, pos_b, -1))
@@ -103,9 +105,9 @@ def attend_blocked(q: Array, k: Array, v: Array, pos: Array, valid: Array | None
             # the last block, when kblk does not divide S, starts early; its keys before j * kblk are masked
             s0 = jnp.minimum(j * kblk, n_keys - kblk)
             keys = s0 + jnp.arange(kblk)
-            k_j = lax.dynamic_slice_in_dim(k, s0, kblk).astype(qg.dtype)
-            v_j = lax.dynamic_slice_in_dim(v, s0, kblk).astype(qg.dtype)
-            s = jnp.einsum("tkgd,skd->kgts", qg, k_j, precision=lax.Precision.HIGHEST) * d ** -0.5
+            k_j = lax.dynamic_slice_in_dim(k, s0, kblk).astype(q.dtype)
+            v_j = lax.dynamic_slice_in_dim(v, s0, kblk).astype(q.dtype)
+            s = matmul("tkgd,skd->kgts", qg, k_j) * d ** -0.5
             see = (pos_b[:, None] >= keys[None, :]) & (keys >= j * kblk)[None, :]
             if sel is not None:
                 see &= lax.dynamic_slice_in_dim(sel, s0, kblk, axis=1)
@@ -114,10 +116,10 @@ def attend_blocked(q: Array, k: Array, v: Array, pos: Array, valid: Array | None
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet: no -inf - -inf
             scale = jnp.exp(m - m_use)
             w = jnp.exp(s - m_use[..., None])
-            acc = acc * scale[..., None] + jnp.einsum("kgts,skd->kgtd", w, v_j, precision=lax.Precision.HIGHEST)
+            acc = acc * scale[..., None] + matmul("kgts,skd->kgtd", w.astype(q.dtype), v_j)
             return m_new, l * scale + jnp.sum(w, axis=-1), acc
 
-        f = qg.dtype
+        f = acc_dtype(q.dtype)
         init = (jnp.full((nkv, g, qb), -jnp.inf, f), jnp.zeros((nkv, g, qb), f), jnp.zeros((nkv, g, qb, d), f))
         _, l, acc = lax.fori_loop(jnp.int32(0), trips, key_block, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]

@@ -43,6 +43,13 @@ def precision_for(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
+def matmul(spec: str, a: Array, b: Array) -> Array:
+    """einsum of two operands of one dtype, in their own precision (precision_for) and summed in acc_dtype:
+    bf16 operands multiply on the tensor cores with exact products and float32 sums, float32/64 ones in full
+    precision. The result is in acc_dtype."""
+    return jnp.einsum(spec, a, b, precision=precision_for(a.dtype), preferred_element_type=acc_dtype(a.dtype))
+
+
 def linear(x: Array, w: Array) -> Array:
     """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype (bf16 accumulates in
     float32)."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..config import ModelConfig
-from .base import Array, linear, pytree_dataclass, top_k_mask, up
+from .base import Array, linear, matmul, pytree_dataclass, top_k_mask, up
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -53,7 +52,7 @@ def block_choice(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array) -> A
     r = cfg.indexer_compress_ratio
     n_blocks = kb.shape[0]
     visible = (q_pos + 1) // r  # complete blocks visible to each query
-    scores = jnp.einsum("thd,bd->thb", up(q_index), up(kb), precision=lax.Precision.HIGHEST)
+    scores = matmul("thd,bd->thb", q_index, kb.astype(q_index.dtype))  # bf16: exact products, float32 sums
     scores = jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
     valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
     k = min(cfg.block_topk, n_blocks)
