@@ -328,6 +328,9 @@ def main(argv=None) -> int:
                     help="comma-separated engine max_batch values (default: the batch); one larger than the batch "
                          "measures a lone request in a larger engine, which decodes in the smallest bucket holding it")
     ap.add_argument("--budget", default="32GiB", help="VRAM budget of the host mode")
+    ap.add_argument("--cache-slots", default="",
+                    help="comma-separated expert cache slots per layer of the host mode (default: what the planner "
+                         "fits in the budget); e.g. the slots left beside a larger prefill chunk's workspace")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=48, help="timed decode steps (steady state, all admitted)")
@@ -345,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-trace", action="store_true",
                     help="also copy each configuration's trace and decode HLO into --out")
     args = ap.parse_args(argv)
+    if args.steps < 2 or args.trace_steps < 1:
+        ap.error("--steps takes 2 or more and --trace-steps 1 or more (the step time is a span between steps)")
 
     import jax
     import jax.numpy as jnp
@@ -363,6 +368,7 @@ def main(argv=None) -> int:
     modes, batches = args.modes.split(","), [int(b) for b in args.batch.split(",")]
     routings = args.routing.split(",")
     max_batches = [int(b) for b in args.max_batch.split(",") if b] or [0]
+    slot_counts = [int(n) for n in args.cache_slots.split(",") if n] or [None]
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
            "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
@@ -391,19 +397,24 @@ def main(argv=None) -> int:
     attn_kernels = args.attention_kernel.split(",")
     if not set(attn_kernels) <= {"auto", "off", "on"}:
         ap.error(f"--attention-kernel takes auto, off and/or on, got {args.attention_kernel!r}")
-    for mode, batch, routing, kern, gdn_k, hc_k, attn_k, want_mb, seq_len in itertools.product(
-            modes, batches, routings, kernels, gdn_kernels, hc_kernels, attn_kernels, max_batches, seq_lens):
+    for mode, batch, routing, kern, gdn_k, hc_k, attn_k, want_mb, seq_len, slots in itertools.product(
+            modes, batches, routings, kernels, gdn_kernels, hc_kernels, attn_kernels, max_batches, seq_lens,
+            slot_counts):
+        if mode == "device" and slots is not None and slots != slot_counts[0]:
+            continue  # one device configuration: it has no cache
         free, note = planner.device_free_bytes(dev)
         max_batch = max(batch, want_mb)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,
                             budget=planner.parse_bytes(args.budget) if mode == "host" else None,
                             max_seq_len=seq_len, prefill_chunk=args.prefill_chunk,
+                            cache_slots=slots if mode == "host" else None,
                             dtype_bytes=jnp.dtype(args.dtype).itemsize)
         name = f"{mode}-b{batch}-{routing}" + {"auto": "", "off": "-jnp", "pallas": "-pallas", "cuda": "-cuda"}[kern]
         name += {"auto": "", "on": "-gdnk", "off": "-xlagdn"}[gdn_k] + {"auto": "", "on": "-hck", "off": "-xlahc"}[hc_k]
         name += {"auto": "", "on": "-attnk", "off": "-xlaattn"}[attn_k]
         name += f"-mb{max_batch}" if max_batch != batch else ""
         name += f"-ctx{seq_len}" if len(seq_lens) > 1 else ""
+        name += f"-s{slots}" if mode == "host" and slots is not None else ""
         if (args.only and name not in args.only.split(",")) or name in [c[0] for c in configs]:
             continue
         configs.append((name, mode, batch, routing, plan, {"auto": None, "off": False}.get(kern, kern),

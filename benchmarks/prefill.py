@@ -354,10 +354,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048, help="tokens of the long prompt")
     ap.add_argument("--short-prompt", type=int, default=67, help="tokens of the short prompt (cold and warm TTFT)")
     ap.add_argument("--routing", default="model", help="comma-separated: model, calibrated")
-    ap.add_argument("--overlap", default="off",
-                    help="comma-separated, host mode: off (copy, then compute: the default), on (each block's "
-                         "PCIe copy beside the previous block's kernels, by the copy engines; configurations named "
-                         "...-overlap), zero_copy (the same by the zero-copy gather kernel: ...-overlap-zc)")
+    ap.add_argument("--overlap", default="on",
+                    help="comma-separated, host mode: on (each block's PCIe copy beside the previous block's "
+                         "kernels, by the copy engines: the engine's default; configurations named ...-overlap), "
+                         "off (copy, then compute), zero_copy (beside, by the zero-copy gather kernel: ...-overlap-zc)")
     ap.add_argument("--gdn-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the GDN kernels on a GPU), on, off (XLA's "
                          "chunked form; the configuration's name ends in -xla-gdn)")

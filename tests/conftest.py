@@ -13,6 +13,10 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's backend optimisations cost more compile time than they save on the tests' tiny programs (a third
+# off test_model's engine tests); subprocesses (the CLI and server tests) inherit it. GPU runs keep them.
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 sys.path.insert(0, os.path.dirname(__file__))  # the shared reference helpers (hf_reference.py)
 
 
@@ -184,6 +188,49 @@ def nvfp4_plain(nvfp4_dir):
     import jaxflash
 
     return _shared(jaxflash.load(nvfp4_dir, expert_residency="device", **SMALL))
+
+
+@pytest.fixture(scope="session")
+def nvfp4_host(nvfp4_dir):
+    """The host expert pool with a cache of 8 slots per layer (the fewest 2 slots may need: 4 experts a token)
+    and 2 slots: test_engine.py checks it against nvfp4_mtp, and test_expert_kernel.py's kernels against it."""
+    import jaxflash
+
+    return _shared(jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=8, **{**SMALL, "max_batch": 2}))
+
+
+class SwitchedRouting:
+    """A RoutingSource (runner.RoutingSource) that hands each call on to `source`, which a test sets: one engine
+    with fixed routing serves tests of different routings, so that its programs compile once."""
+
+    def __init__(self):
+        self.source = None
+
+    def prefill_ids(self, slot, n, width):
+        return self.source.prefill_ids(slot, n, width)
+
+    def decode_ids(self, batch):
+        return self.source.decode_ids(batch)
+
+    def verify_ids(self, batch, width):
+        return self.source.verify_ids(batch, width)
+
+
+@pytest.fixture(scope="session")
+def _nvfp4_routed(nvfp4_dir):
+    import jaxflash
+
+    return _shared(jaxflash.load(nvfp4_dir, expert_residency="device", routing=SwitchedRouting(),
+                                 **{**SMALL, "max_batch": 1}))
+
+
+@pytest.fixture
+def nvfp4_routed(_nvfp4_routed):
+    """The NVFP4 model with every expert on the device, 1 slot, its expert ids from outside: the test sets
+    `engine.routing.source` (a RoutingSource). Shared by test_engine.py's and test_speculative.py's fixed-routing
+    tests; the source is cleared after each test."""
+    yield _nvfp4_routed
+    _nvfp4_routed.routing.source = None
 
 
 @pytest.fixture(scope="session")

@@ -187,8 +187,10 @@ def test_mtp_head_is_loaded_but_not_run_by_default(nvfp4_plain, on_device):
 
 
 @NVFP4
-def test_host_residency_equals_device(nvfp4_dir, on_device):
-    host = jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=8, **{**SMALL, "max_batch": 2})
+def test_host_residency_equals_device(nvfp4_host, on_device):
+    """conftest.py's engine with a host cache of 8 slots and 2 slots (shared with test_expert_kernel.py)."""
+    host = nvfp4_host
+    host.scheduler.stats = Stats()  # a shared engine: count this test's lookups only
     assert host.plan.residency == "host" and host.params.layers[0].moe.experts is None
     cfg = host.config
     rng = np.random.default_rng(5)
@@ -254,6 +256,18 @@ def test_planner_decisions():
         planner.plan(cfg, mb, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=8, cache_slots=10)
     with pytest.raises(PlanError, match="residency='device'"):
         planner.plan(cfg, mb, residency="device", budget=32 * GiB, free=130 * GiB, free_note="test")
+    # The prefill chunk: the largest whose workspace fits a third of the budget and leaves the cache its slots.
+    lean = planner.ModelBytes(dense=9 * GiB, experts=63 * GiB, record_bytes=2_765_056)
+    one = planner.plan(cfg, lean, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=1)
+    assert one.prefill_chunk == 8192 and one.cache_slots >= 3 * cfg.num_experts_per_tok
+    eight = planner.plan(cfg, lean, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=8)
+    assert eight.cache_slots >= 8 * cfg.num_experts_per_tok and eight.prefill_chunk < 8192
+    assert planner.workspace_bytes(cfg, 2 * eight.prefill_chunk, eight.max_seq_len, 8) - eight.reserved["workspace"] \
+        > (eight.cache_slots - 8 * cfg.num_experts_per_tok) * cfg.num_hidden_layers * lean.record_bytes
+    steered = planner.plan(cfg, lean, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=1, cache_slots=140)
+    assert steered.prefill_chunk < 8192 and "leaves the expert cache 140 slots" in steered.notes[-1]
+    given = planner.plan(cfg, lean, budget=32 * GiB, free=130 * GiB, free_note="test", max_batch=8, prefill_chunk=512)
+    assert given.prefill_chunk == 512 and "as given" in given.notes[-1]
     assert planner.parse_bytes("32GiB") == 32 * GiB and planner.parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError):
         planner.parse_bytes("lots")
@@ -319,9 +333,10 @@ class Replay:
 
 
 @NVFP4
-def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
+def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device, nvfp4_routed):
     """Routing fixed from outside (runner.RoutingSource) to exactly what the routers choose gives the same
-    tokens as the routers themselves, with every expert on the device and through the host cache."""
+    tokens as the routers themselves, with every expert on the device (conftest.py's engine with fixed routing,
+    shared with test_speculative.py) and through the host cache."""
     import jax
     import jax.numpy as jnp
 
@@ -337,9 +352,12 @@ def test_fixed_routing_replays_the_routers_choice(nvfp4_dir, on_device):
     engines = {}
     for residency in ("device", "host"):
         src = Replay(ids)
-        eng = engines[residency] = jaxflash.load(nvfp4_dir, expert_residency=residency, routing=src,
-                                                 **{**SMALL, "max_batch": 1},
-                                                 **({"cache_slots": 4} if residency == "host" else {}))
+        if residency == "device":
+            eng = engines[residency] = nvfp4_routed
+            eng.routing.source = src
+        else:
+            eng = engines[residency] = jaxflash.load(nvfp4_dir, expert_residency=residency, routing=src,
+                                                     cache_slots=4, **{**SMALL, "max_batch": 1})
         assert eng.generate([p], max_new_tokens=12, ignore_eos=True)[0] == out, residency
         assert src.calls >= 12
     # the same engine fed experts 0..k-1 instead (the source is read at every step): other tokens

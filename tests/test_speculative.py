@@ -197,22 +197,24 @@ class LayerRouting:
 
 
 @NVFP4
-def test_fixed_routing_reaches_verify_steps(nvfp4_dir, nvfp4_plain):
+def test_fixed_routing_reaches_verify_steps(nvfp4_dir, nvfp4_mtp, nvfp4_routed):
     """Verify steps take their expert ids from the runner's RoutingSource too (benchmarks time speculation
     under a routing model that way): greedy speculation with host-resident experts equals plain decoding under
-    the same fixed routing, and differs from the routers' own choice."""
-    cfg = nvfp4_plain.config
+    the same fixed routing (conftest.py's engine with fixed routing, every expert on the device), and differs
+    from the routers' own choice (conftest.py's engine without fixed routing, whose MTP head changes no token)."""
+    cfg = nvfp4_mtp.config
     kw = dict(max_new_tokens=24, ignore_eos=True)
     rng = np.random.default_rng(13)  # its continuation repeats a phrase of its own: n-gram drafts are kept
     prompts = [repetitive(rng, cfg.vocab_size, cfg.eos_token_id, 20, 3)]
     plain_src, spec_src = LayerRouting(cfg), LayerRouting(cfg)
-    plain = jaxflash.load(nvfp4_dir, routing=plain_src, **{**SMALL, "max_batch": 1})
+    plain = nvfp4_routed
+    plain.routing.source = plain_src
     spec = speculating(jaxflash.load(nvfp4_dir, expert_residency="host", cache_slots=12, routing=spec_src,
                                      speculative="ngram", draft_tokens=2, **{**SMALL, "max_batch": 1}))
     want = plain.generate(prompts, **kw)
     assert spec.generate(prompts, **kw) == want
     assert spec.scheduler.stats.drafts_accepted > 0 and set(spec_src.widths) == {3}
-    assert nvfp4_plain.generate(prompts, **kw) != want  # the routers' own experts give other tokens
+    assert nvfp4_mtp.generate(prompts, **kw) != want  # the routers' own experts give other tokens
 
 
 @pytest.mark.xdist_group("bundled")
@@ -440,12 +442,14 @@ def test_verify_steps_with_chosen_drafts_equal_plain_decoding(engines):
         assert rel_err(o.logits[slot], logits[n]) < 1e-5
 
 
-def _chained_head(engine, seq: list[int], k: int, width: int = 128):
+def _chained_head(engine, seq: list[int], k: int, width: int = 64):
     """The MTP drafts after seq (its last token not yet fed), recomputed from position 0 with the whole-sequence
     forward: draft 1 is the head's guess from the pair (main state at len-2, token at len-1); each next one
     runs the head over the pairs so far plus (its own previous output state, its previous draft). Sequences are
-    padded to `width` positions, which the causal forward never reads, so each function compiles once.
+    padded to `width` positions, which the causal forward never reads, so each function compiles once (64: the
+    padded length of test_engine.py's Engine.mtp_logits call on the same engine, which compiles them too).
     Returns (drafts [k], the logits [k, V] each was chosen from)."""
+    assert len(seq) + k <= width
     t = len(seq)
     h = engine.hidden(seq + [0] * (width - t))  # [width, W]: rows 0 .. t-2 are the pairs' states
     hidden, nxt = np.zeros_like(h), np.zeros(width, np.int32)
@@ -474,13 +478,15 @@ def _assert_drafts_equal(got: list[int], got_logits, want: list[int], want_logit
 
 
 @NVFP4
-def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_plain):
+def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_plain, nvfp4_mtp):
     """MTP drafts, K = 3: two sequences in one batch, fed plain decoding's own next tokens as drafts with one
     wrong token placed so that the steps keep every number of drafts (0 to K, and none fed). After the prefill
     and after every verify step the drafts the state holds for the next step equal the head chained over the
     sequence recomputed from position 0 (_chained_head), so the head's KV pages hold exactly the kept pairs (the
     verify steps' draft logits too); the steps emit plain decoding's tokens. Plain decode steps propose no drafts
-    (their head runs for its KV alone): after two of them, a verify step feeding none drafts the same chain."""
+    (their head runs for its KV alone): after two of them, a verify step feeding none drafts the same chain.
+    The whole-sequence forward is conftest.py's engine of the same checkpoint (same weights), whose programs
+    for it test_engine.py compiles too."""
     k = 3
     spec = jaxflash.load(nvfp4_dir, expert_residency="device", speculative="mtp", draft_tokens=k, **SMALL)
     assert spec.mtp and spec.speculative == "mtp"
@@ -495,7 +501,7 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
         st = runner.state.spec
         for b, r in enumerate(reqs):
             assert int(st.n_draft[r.slot]) == k
-            want, logits = _chained_head(spec, prompts[b] + emitted[b], k)
+            want, logits = _chained_head(nvfp4_mtp, prompts[b] + emitted[b], k)
             _assert_drafts_equal([int(d) for d in st.drafts[r.slot]],
                                  None if draft_logits is None else draft_logits[r.slot], want, logits)
 

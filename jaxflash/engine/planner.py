@@ -144,20 +144,32 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, max_seq_len: int, max_batch: i
 # workspace_bytes' 9.8 GiB (benchmarks/RESULTS.md); the scheduler's warm-up warns if a compiled program ever
 # needs more than the planner reserved (Scheduler._check_workspace).
 PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
-WORKSPACE_SHARE = 8  # a chosen chunk's workspace takes at most 1 / WORKSPACE_SHARE of the budget
+# A chosen chunk's workspace takes at most 1 / WORKSPACE_SHARE of the budget. With host experts a chunk of 2048
+# tokens or more hits most of a layer's experts, so each chunk copies nearly the whole bank over PCIe and a
+# prompt prefills about in proportion to its chunk. H200, 32 GiB, calibrated routing, an 8192-token prompt:
+# chunks of 2048 / 4096 / 8192 leave 151 / 134 / 102 cache slots and prefill at 1,795 / 3,061 / 4,600 tok/s,
+# while decode at 102 slots runs 10% slower than at 148 (45.2 against 50.3 tok/s). A third picks 8192 at
+# 32 GiB, 4096 at 24 GiB and 2048 at 16 GiB.
+WORKSPACE_SHARE = 3
+
+
+def chunk_options(cfg: ModelConfig, max_seq_len: int, max_batch: int, budget: int) -> list[int]:
+    """Prefill chunk sizes the planner may pick when none is given, largest first: those of PREFILL_CHUNKS (no
+    longer than the context) whose workspace fits 1 / WORKSPACE_SHARE of the budget, or the smallest."""
+    fits = [c for c in PREFILL_CHUNKS if c <= max_seq_len
+            and workspace_bytes(cfg, c, max_seq_len, max_batch) * WORKSPACE_SHARE <= budget]
+    return fits or [min(PREFILL_CHUNKS[-1], max_seq_len)]
 
 
 def choose_chunk(cfg: ModelConfig, max_seq_len: int, max_batch: int, budget: int) -> int:
-    """Prefill chunk tokens when none is given: the largest of PREFILL_CHUNKS (no longer than the context) whose
-    workspace fits 1 / WORKSPACE_SHARE of the budget. Larger chunks bring each expert a prompt hits over PCIe
-    once per chunk instead of once per smaller one; the workspace they need is taken from the expert cache."""
-    fits = [c for c in PREFILL_CHUNKS if c <= max_seq_len
-            and workspace_bytes(cfg, c, max_seq_len, max_batch) * WORKSPACE_SHARE <= budget]
-    return fits[0] if fits else min(PREFILL_CHUNKS[-1], max_seq_len)
+    """The largest of chunk_options. Larger chunks bring each expert a prompt hits over PCIe once per chunk
+    instead of once per smaller one; with host experts plan() may step down so the cache keeps its slots."""
+    return chunk_options(cfg, max_seq_len, max_batch, budget)[0]
 
 
-def _chunk_note(chunk: int, given: int | None, workspace: int) -> str:
-    why = "as given" if given else f"the largest whose workspace fits 1/{WORKSPACE_SHARE} of the budget"
+def _chunk_note(chunk: int, given: int | None, workspace: int, slots: int | None = None) -> str:
+    why = ("as given" if given else f"the largest whose workspace fits 1/{WORKSPACE_SHARE} of the budget"
+           + (f" and leaves the expert cache {slots} slots/layer" if slots is not None else ""))
     return f"prefill chunks of {chunk} tokens ({why}; workspace {size(workspace)})"
 
 
@@ -193,9 +205,9 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         notes.append(msg)
     per_seq, per_token = state_bytes(cfg, dtype_bytes)
 
-    def fixed(seq):  # everything but the experts / the cache
+    def fixed(seq, chunk=None):  # everything but the experts / the cache
         seq = -(-seq // align) * align
-        chunk = prefill_chunk or choose_chunk(cfg, seq, max_batch, total)
+        chunk = prefill_chunk or chunk or choose_chunk(cfg, seq, max_batch, total)
         return {"dense weights": mb.dense + mb.ple_table_device,
                 "workspace": workspace_bytes(cfg, chunk, seq, max_batch),
                 "sequence state": max_batch * per_seq,
@@ -228,10 +240,16 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     min_slots = min(E, rows * k)  # a decode (or verify) step may route its rows to rows * k distinct experts
     good_slots = min(E, max(min_slots, 3 * k))  # below ~3 x top_k slots an LRU cache retains nothing
     seq = seq_wanted
+    want_slots = cache_slots or good_slots
     while True:
-        res, seq, chunk = fixed(seq)
-        left = total - sum(res.values())
-        fit = max(0, left // (L * mb.record_bytes))
+        seq = -(-seq // align) * align
+        # The largest chunk that leaves the cache its slots: its workspace comes out of the cache.
+        for chunk in [prefill_chunk] if prefill_chunk else chunk_options(cfg, seq, max_batch, total):
+            res, seq, chunk = fixed(seq, chunk)
+            left = total - sum(res.values())
+            fit = max(0, left // (L * mb.record_bytes))
+            if fit >= want_slots:
+                break
         slots = min(E, fit) if cache_slots is None else cache_slots
         if cache_slots is not None or fit >= good_slots or max_seq_len or seq <= MIN_AUTO_SEQ_LEN:
             break
@@ -257,6 +275,7 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
          f"{size(res['expert cache'])} ({slots / E:.0%} of the experts); prefill chunks go through it "
          f"{min(slots, E)} experts at a time")
     note(f"KV cache: {max_batch} x {seq} tokens = {size(res['KV cache'])}")
-    note(_chunk_note(chunk, prefill_chunk, res["workspace"]))
+    stepped_down = not prefill_chunk and chunk != choose_chunk(cfg, seq, max_batch, total)
+    note(_chunk_note(chunk, prefill_chunk, res["workspace"], want_slots if stepped_down else None))
     return Plan("host", total, max_batch, seq, PAGE, max_batch * seq // PAGE, slots, chunk,
                 res, notes)
