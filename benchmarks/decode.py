@@ -400,8 +400,6 @@ def main(argv=None) -> int:
     for mode, batch, routing, kern, gdn_k, hc_k, attn_k, want_mb, seq_len, slots in itertools.product(
             modes, batches, routings, kernels, gdn_kernels, hc_kernels, attn_kernels, max_batches, seq_lens,
             slot_counts):
-        if mode == "device" and slots is not None and slots != slot_counts[0]:
-            continue  # one device configuration: it has no cache
         free, note = planner.device_free_bytes(dev)
         max_batch = max(batch, want_mb)
         plan = planner.plan(cfg, mb, residency=mode, free=free, free_note=note, max_batch=max_batch,

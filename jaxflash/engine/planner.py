@@ -139,7 +139,7 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, max_seq_len: int, max_batch: i
     return int(1.25 * max(attn + moe + acts, kv_gather)) + 256 * MiB
 
 
-# What choose_chunk picks from. On the H200 (full size, bf16, an 8192-token context) the prefill program of
+# What chunk_options picks from. On the H200 (full size, bf16, an 8192-token context) the prefill program of
 # 8192-token chunks takes 8.9 GiB of temporaries with host experts and 4.5 GiB with resident ones, against
 # workspace_bytes' 9.8 GiB (benchmarks/RESULTS.md); the scheduler's warm-up warns if a compiled program ever
 # needs more than the planner reserved (Scheduler._check_workspace).
@@ -148,29 +148,27 @@ PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
 # tokens or more hits most of a layer's experts, so each chunk copies nearly the whole bank over PCIe and a
 # prompt prefills about in proportion to its chunk. H200, 32 GiB, calibrated routing, an 8192-token prompt:
 # chunks of 2048 / 4096 / 8192 leave 151 / 134 / 102 cache slots and prefill at 1,795 / 3,061 / 4,600 tok/s,
-# while decode at 102 slots runs 10% slower than at 148 (45.2 against 50.3 tok/s). A third picks 8192 at
-# 32 GiB, 4096 at 24 GiB and 2048 at 16 GiB.
+# while decode at 102 slots runs 10% slower than at 148 (45.2 against 50.3 tok/s). For one sequence a third
+# picks 8192 at 32 GiB and 4096 at 24 GiB; plan() steps down where the cache would lose its slots (256 at
+# 16 GiB; 2048 at 32 GiB for 8 sequences, whose steps may need 80 slots).
 WORKSPACE_SHARE = 3
 
 
 def chunk_options(cfg: ModelConfig, max_seq_len: int, max_batch: int, budget: int) -> list[int]:
     """Prefill chunk sizes the planner may pick when none is given, largest first: those of PREFILL_CHUNKS (no
-    longer than the context) whose workspace fits 1 / WORKSPACE_SHARE of the budget, or the smallest."""
+    longer than the context) whose workspace fits 1 / WORKSPACE_SHARE of the budget, or the smallest. Larger
+    chunks bring each expert a prompt hits over PCIe once per chunk instead of once per smaller one; with host
+    experts plan() takes the largest that still leaves the cache its slots."""
     fits = [c for c in PREFILL_CHUNKS if c <= max_seq_len
             and workspace_bytes(cfg, c, max_seq_len, max_batch) * WORKSPACE_SHARE <= budget]
     return fits or [min(PREFILL_CHUNKS[-1], max_seq_len)]
 
 
-def choose_chunk(cfg: ModelConfig, max_seq_len: int, max_batch: int, budget: int) -> int:
-    """The largest of chunk_options. Larger chunks bring each expert a prompt hits over PCIe once per chunk
-    instead of once per smaller one; with host experts plan() may step down so the cache keeps its slots."""
-    return chunk_options(cfg, max_seq_len, max_batch, budget)[0]
-
-
-def _chunk_note(chunk: int, given: int | None, workspace: int, slots: int | None = None) -> str:
-    why = ("as given" if given else f"the largest whose workspace fits 1/{WORKSPACE_SHARE} of the budget"
-           + (f" and leaves the expert cache {slots} slots/layer" if slots is not None else ""))
+def _chunk_note(chunk: int, why: str, workspace: int) -> str:
     return f"prefill chunks of {chunk} tokens ({why}; workspace {size(workspace)})"
+
+
+LARGEST = f"the largest whose workspace fits 1/{WORKSPACE_SHARE} of the budget"
 
 
 def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: int | None = None,
@@ -205,13 +203,17 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
         notes.append(msg)
     per_seq, per_token = state_bytes(cfg, dtype_bytes)
 
-    def fixed(seq, chunk=None):  # everything but the experts / the cache
-        seq = -(-seq // align) * align
-        chunk = prefill_chunk or chunk or choose_chunk(cfg, seq, max_batch, total)
+    def aligned(seq):
+        return -(-seq // align) * align
+
+    def chunks(seq):  # the prefill chunks to try at an (aligned) context, largest first
+        return [prefill_chunk] if prefill_chunk else chunk_options(cfg, seq, max_batch, total)
+
+    def fixed(seq, chunk):  # everything but the experts / the cache
         return {"dense weights": mb.dense + mb.ple_table_device,
                 "workspace": workspace_bytes(cfg, chunk, seq, max_batch),
                 "sequence state": max_batch * per_seq,
-                "KV cache": max_batch * seq * per_token}, seq, chunk
+                "KV cache": max_batch * seq * per_token}
 
     def note(msg):
         log.info(msg)
@@ -219,13 +221,15 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
 
     want_device = residency == "device" or (residency == "auto" and cache_slots is None)
     if want_device:
-        res, seq, chunk = fixed(seq_wanted)
+        seq = aligned(seq_wanted)
+        chunk = chunks(seq)[0]
+        res = fixed(seq, chunk)
         need = sum(res.values()) + mb.experts
         if need <= total:
             res["experts"] = mb.experts
             note(f"experts on the device: {size(mb.experts)} of experts + {size(need - mb.experts)} "
                  f"of the rest fit the {size(total)} budget")
-            note(_chunk_note(chunk, prefill_chunk, res["workspace"]))
+            note(_chunk_note(chunk, "as given" if prefill_chunk else LARGEST, res["workspace"]))
             return Plan("device", total, max_batch, seq, PAGE, max_batch * seq // PAGE, 0, chunk, res, notes)
         if residency == "device":
             raise PlanError(f"expert_residency='device' needs {size(need)} ("
@@ -242,10 +246,11 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
     seq = seq_wanted
     want_slots = cache_slots or good_slots
     while True:
-        seq = -(-seq // align) * align
+        seq = aligned(seq)
+        options = chunks(seq)
         # The largest chunk that leaves the cache its slots: its workspace comes out of the cache.
-        for chunk in [prefill_chunk] if prefill_chunk else chunk_options(cfg, seq, max_batch, total):
-            res, seq, chunk = fixed(seq, chunk)
+        for chunk in options:
+            res = fixed(seq, chunk)
             left = total - sum(res.values())
             fit = max(0, left // (L * mb.record_bytes))
             if fit >= want_slots:
@@ -275,7 +280,14 @@ def plan(cfg: ModelConfig, mb: ModelBytes, *, residency: str = "auto", budget: i
          f"{size(res['expert cache'])} ({slots / E:.0%} of the experts); prefill chunks go through it "
          f"{min(slots, E)} experts at a time")
     note(f"KV cache: {max_batch} x {seq} tokens = {size(res['KV cache'])}")
-    stepped_down = not prefill_chunk and chunk != choose_chunk(cfg, seq, max_batch, total)
-    note(_chunk_note(chunk, prefill_chunk, res["workspace"], want_slots if stepped_down else None))
+    if prefill_chunk:
+        why = "as given"
+    elif chunk == options[0]:
+        why = LARGEST
+    elif fit >= want_slots:
+        why = f"{LARGEST} and leaves the expert cache {want_slots} slots/layer"
+    else:
+        why = f"the smallest tried: none leaves the expert cache {want_slots} slots/layer"
+    note(_chunk_note(chunk, why, res["workspace"]))
     return Plan("host", total, max_batch, seq, PAGE, max_batch * seq // PAGE, slots, chunk,
                 res, notes)
