@@ -8,7 +8,9 @@ against kernels that read the same NVFP4 bytes and do almost no arithmetic, on f
     bytes as integers: the floor of reading this way, one launch per matrix family;
   * loads_fused: one launch for all three matrices: a program reads its block of gate/up rows, then the columns
     of down that its activations meet (down split by inputs across programs, partial sums left to a reduction);
-  * xla: XLA's own fusions reading the same experts' bytes (a gather and an integer sum).
+  * xla: XLA's own fusions reading the same experts' bytes (a gather and an integer sum);
+  * xla_contiguous: XLA's sum over a contiguous buffer of the same size: what one launch reading that many
+    bytes reaches at best here.
 
 Each runs L layers chained in one jitted program (each layer its own 512 experts, so nothing stays in L2),
 calibrated routing; GPU kernel time from a profiler trace, per layer.
@@ -152,6 +154,10 @@ def main(argv=None) -> int:
             variants[f"loads_{fam}_r{r}"] = (chain(lambda o, x, i, r=r, fam=fam: loads(o, i, r, fam)), ops,
                                              {fam: (f"probe_{fam}", nb)})
         variants[f"xla_{fam}"] = (chain(lambda ex, x, i, fam=fam: xla_read(ex, i, fam)), layers, {fam: (None, nb)})
+    for fam, nb in (("gate_up", bytes_gu), ("down", bytes_down)):  # the same byte count, contiguous, one reduce
+        bufs = [jnp.full((nb // 4,), layer + 1, jnp.uint32) for layer in range(L)]
+        variants[f"xla_contiguous_{fam}"] = (chain(lambda b, x, i: jnp.sum(b ^ i[0, 0].astype(jnp.uint32))
+                                                   .astype(jnp.float32)), bufs, {fam: (None, nb)})
     for r, wp in ((int(v), int(u)) for v, u in (c.split("x") for c in args.fused.split(","))):
         variants[f"loads_fused_r{r}_w{wp}"] = (chain(lambda o, x, i, r=r, wp=wp: loads(o, i, r, "fused", wp)), ops,
                                                {"fused": ("probe_fused", bytes_gu + bytes_down)})
