@@ -79,15 +79,12 @@ def main(argv=None) -> int:
     bytes_gu, bytes_down = k * 2 * per_matrix, k * per_matrix
 
     def read_rows(wr, part, spart, e, row0, rows, in_dim):
-        """sum over rows row0.. (whole) of codes x block scale, as integers and float32: [rows]."""
+        """sum over rows row0.. (whole) of codes x block scale, as integers and float32: [rows]. The bytes are
+        addressed by the decode kernels' own tile helpers."""
         acc = None
-        for g0, n in pieces(in_dim // 16):
-            r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
-            g = jnp.arange(n, dtype=jnp.int32)[None, :, None]
-            b = jnp.arange(8, dtype=jnp.int32)[None, None, :]
-            codes = wr[part.arg][e, part.offset + (row0 + r) * (in_dim // 2) + (g0 + g) * 8 + b]
-            so = (row0 + r[:, :, 0]) * (in_dim // 16) + g0 + g[:, :, 0]
-            sc = wr[spart.arg][e, spart.offset + so].astype(jnp.float32)
+        for g0, n in pieces(in_dim // K.NVFP4_GROUP):
+            codes = K._codes(wr, part, e, K._block_offsets(row0, rows, in_dim // 2, g0 * 8, n))
+            sc = K._scales(wr, spart, e, K._scale_offsets(row0, rows, in_dim // K.NVFP4_GROUP, g0, n), 1.0)
             part_sum = jnp.sum(jnp.sum(codes.astype(jnp.int32), axis=-1).astype(jnp.float32) * sc, axis=-1)
             acc = part_sum if acc is None else acc + part_sum
         return acc

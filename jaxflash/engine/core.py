@@ -321,12 +321,13 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     vram_budget caps the device memory the engine plans for (e.g. "32GiB" to act as a 32 GB card).
     max_batch concurrent sequences of up to max_seq_len tokens (default: what fits, at most 32768, 4096 on the
     CPU); prefill_chunk tokens per prefill step (default: the planner's choice, the largest of 256 to 8192
-    whose workspace takes at most a third of the budget and leaves the expert cache its slots; 64 on the CPU). mtp: load the MTP head
-    (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False leaves it on disk and its
-    VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in every decode step,
-    keeping its KV cache current and drafting the token after next (`engine.scheduler.stats.mtp_acceptance`
-    then reports how often the draft was right). Off by default: it costs a decoder layer and a second lm_head
-    read per step, and speculative="mtp" needs only the layer in plain steps (it drafts in verify steps).
+    whose workspace takes at most a third of the budget and leaves the expert cache its slots; 64 on the CPU).
+    mtp: load the MTP head (default: when the checkpoint has one; `Engine.mtp_logits` needs it); mtp=False
+    leaves it on disk and its VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in
+    every decode step, keeping its KV cache current and drafting the token after next
+    (`engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right). Off by default: it
+    costs a decoder layer and a second lm_head read per step, and speculative="mtp" needs only the layer in
+    plain steps (it drafts in verify steps).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas expert kernels (default: on a GPU;
