@@ -73,10 +73,12 @@ def main(argv=None) -> int:
         k1, k2 = jax.random.split(key)
         return gdn.GDNState(conv=rnd(k1, (1, k - 1, c), 1.0), recurrent=rnd(k2, (1, hv, dk, dv), 0.05, jnp.float32))
 
-    def one_raw(key):  # the projections' outputs of batch 1
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        return {"qkv": rnd(k1, (1, 1, c), 1.0), "z": rnd(k2, (1, hv, dv), 1.0), "b": rnd(k3, (1, hv), 1.0),
-                "a": rnd(k4, (1, hv), 1.0)}
+    def one_raw(key):  # the stacked input projection's output of batch 1: qkv | z | b | a
+        return rnd(key, (1, 1, c + hv * dv + 2 * hv), 1.0)
+
+    def parts(proj):  # [1, 1, W] -> qkv [1, 1, C], z [1, Hv, dv], b and a [1, Hv]
+        qkv, z, b, a = jnp.split(proj, [c, c + hv * dv, c + hv * dv + hv], axis=-1)
+        return qkv, z.reshape(1, hv, dv), b[:, 0], a[:, 0]
 
     keys = jax.random.split(key, 3 * L + 1)
     layers = [one_layer(keys[i]) for i in range(L)]
@@ -99,8 +101,9 @@ def main(argv=None) -> int:
         o = rms_norm_gated(o.astype(dt), z[None], p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
         return o[0], hist[1:], rec
 
-    def kernel_recurrent(p, qkv_raw, z, b, a, conv_state, rec, warps, block_v):  # the same with the kernel
-        o, rec = gdn_decode.recurrent_step(cfg, qkv_raw[:, 0], b, a, live[:, 0], p.conv1d, p.dt_bias, p.A_log,
+    def kernel_recurrent(p, proj, conv_state, rec, warps, block_v):  # the same with the kernel
+        qkv_raw, z, _, _ = parts(proj)
+        o, rec = gdn_decode.recurrent_step(cfg, proj[:, 0], live[:, 0], p.conv1d, p.dt_bias, p.A_log,
                                            conv_state, rec, warps=warps, block_v=block_v)
         conv_state = jnp.concatenate([conv_state[:, 1:], qkv_raw], axis=1)  # the shift, as the model does it
         o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
@@ -109,10 +112,10 @@ def main(argv=None) -> int:
     def recurrent_program(variant):
         def one(p, r, st):
             if variant is None:
-                o, cs, rec = jax.vmap(lambda *t: xla_recurrent(p, *t))(r["qkv"], r["z"], r["b"], r["a"], st.conv,
-                                                                       st.recurrent)
+                qkv, z, b, a = parts(r)
+                o, cs, rec = jax.vmap(lambda *t: xla_recurrent(p, *t))(qkv, z, b, a, st.conv, st.recurrent)
             else:
-                o, cs, rec = kernel_recurrent(p, r["qkv"], r["z"], r["b"], r["a"], st.conv, st.recurrent, *variant)
+                o, cs, rec = kernel_recurrent(p, r, st.conv, st.recurrent, *variant)
             return o, gdn.GDNState(conv=cs, recurrent=rec)
 
         def run(sts, ps, raw):

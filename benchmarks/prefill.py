@@ -86,12 +86,12 @@ class Prefiller:
     def __init__(self, engine):
         import numpy as np
 
-        from jaxflash.engine.sampling import SamplingParams, SamplingRows
+        from jaxflash.engine.sampling import SamplingParams
 
         self.sched = engine.scheduler  # only for its chunking (_chunks) and its all-allowed mask: it runs nothing
         self.runner = self.sched.runner
         self.plan = engine.plan
-        self.sampling = SamplingRows.of(SamplingParams(0.0, 0, 1.0, 0.0, 0))
+        self.sampling = SamplingParams(0.0, 0, 1.0, 0.0, 0)
         self.np = np
         self.waiter = concurrent.futures.ThreadPoolExecutor(1)  # reads chunk results in order, as they land
 

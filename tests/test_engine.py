@@ -11,13 +11,15 @@ Tolerances: decode-step logits vs the full forward, both float32: 1e-4 of the la
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jaxflash
 import jaxflash.presets  # not imported by jaxflash itself
-from jaxflash.engine import PlanError, planner
+from jaxflash.engine import PlanError, planner, sampling
 from jaxflash.engine.sampling import SamplingParams, SamplingRows, sample
 from jaxflash.engine.scheduler import Stats
 
@@ -118,16 +120,17 @@ def test_stop_tokens_and_eos(ref, engine):
 @REF4
 def test_compile_count_constant_over_long_generation(ref, engine):
     """warm_up compiles every program serving uses (decode in buckets of 1, 2 and 4 slots, plain and with
-    logprobs and masks); long generations of 1, 2 and 5 requests then compile nothing more."""
+    logprobs, masks and filters); long generations of 1, 2 and 5 requests, sampled ones with top-p among them,
+    then compile nothing more."""
     rng = np.random.default_rng(4)
     p = prompt(rng, 20, ref[0].vocab_size, ref[0].eos_token_id)
     engine.warm_up()
     assert engine.scheduler.runner.allocated  # the state too: the first request does not wait for it
     before = engine.scheduler.compile_counts()
     assert set(before) >= {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
-        f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}
+        f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks,filters]")}
     engine.generate([p], max_new_tokens=20, ignore_eos=True)
-    engine.generate([p, p[:7]], max_new_tokens=100, ignore_eos=True, temperature=0.8, seed=1)
+    engine.generate([p, p[:7]], max_new_tokens=100, ignore_eos=True, temperature=0.8, top_p=[1.0, 0.9], seed=1)
     engine.generate([p[: 3 + i] for i in range(5)], max_new_tokens=30, ignore_eos=True)
     assert engine.scheduler.compile_counts() == before
 
@@ -238,6 +241,77 @@ def test_sampling_rules():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=2**31)  # the rows hold int32
+
+
+def _kept_by_sorting(x, top_k, top_p, min_p):
+    """The filters' kept set, by their definition on the sorted tokens (numpy, float64 sums)."""
+    order = np.argsort(-x, kind="stable")
+    s = x[order].astype(np.float64)
+    probs = np.exp(s - s[0]) / np.exp(s - s[0]).sum()
+    rank = np.arange(len(x))
+    keep = (top_k <= 0) | (rank < top_k)
+    mass = np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
+    keep &= (np.cumsum(mass) - mass) < top_p
+    keep &= probs >= min_p * probs[0]
+    out = np.zeros(len(x), bool)
+    out[order[keep]] = True
+    return out
+
+
+def test_filters_keep_the_sorted_prefix_ties_included():
+    """sampling.kept (a mask in vocabulary order) against the filters' definition on the sorted tokens, on
+    logits rounded to a coarse grid so that the cut often falls inside a run of equal values: the tied tokens
+    are kept in vocabulary order up to the cut. The probability filters are compared where no prefix mass (or
+    probability ratio) lies within float32 rounding of the threshold."""
+    rng = np.random.default_rng(7)
+    kept = jax.jit(jax.vmap(sampling.kept))
+    compared = 0
+    for v in (3, 17, 40):
+        n = 120
+        x = rng.normal(size=(n, v)) * 2
+        x = np.where(rng.random((n, 1)) < 0.5, np.round(x), np.round(x, 1)).astype(np.float32)
+        k = rng.integers(0, v + 2, n).astype(np.int32)
+        p = np.where(rng.random(n) < 0.3, 1.0, rng.uniform(0.05, 1.0, n)).astype(np.float32)
+        m = np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0.0, 1.0, n)).astype(np.float32)
+        got_p = np.asarray(kept(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p), jnp.zeros(n, jnp.float32)))
+        got_m = np.asarray(kept(jnp.asarray(x), jnp.asarray(k), jnp.ones(n, jnp.float32), jnp.asarray(m)))
+        for i in range(n):
+            s = np.sort(x[i].astype(np.float64))[::-1]
+            probs = np.exp(s - s[0])
+            top = probs[: k[i] or v]
+            if np.abs(np.cumsum(top) / top.sum() - p[i]).min() > 1e-5:
+                assert np.array_equal(got_p[i], _kept_by_sorting(x[i], k[i], p[i], 0.0)), (x[i], k[i], p[i])
+                compared += 1
+            if np.abs(probs - m[i]).min() > 1e-5:
+                assert np.array_equal(got_m[i], _kept_by_sorting(x[i], k[i], 1.0, m[i])), (x[i], k[i], m[i])
+                compared += 1
+    assert compared > 500
+    x = jnp.asarray([1.0, 3.0, 3.0, 0.0, 3.0, 3.0], jnp.float32)  # four-way tie at the top
+    assert np.asarray(sampling.kept(x, 2, 1.0, 0.0)).tolist() == [False, True, True, False, False, False]
+    assert np.asarray(sampling.kept(x, 3, 1.0, 0.0)).tolist() == [False, True, True, False, True, False]
+    assert np.asarray(sampling.kept(x, 0, 0.3, 0.0)).tolist() == [False, True, True, False, False, False]
+    assert np.asarray(sampling.kept(x, 0, 1.0, 0.9)).tolist() == [False, True, True, False, True, True]
+
+
+def test_rows_that_do_not_filter_draw_the_same_without_the_sort():
+    """A program built without Want.filters leaves the sort out; greedy and temperature-only rows draw the very
+    same tokens there (same seed and position), and a filtering row's draws stay inside its kept set."""
+    rng = np.random.default_rng(8)
+    n, v = 256, 300
+    logits = jnp.asarray(rng.normal(size=(n, v)) * 3, jnp.float32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    for t in (0.0, 0.6, 1.0, 1.7):
+        rows = SamplingRows(jnp.full(n, t, jnp.float32), jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.float32),
+                            jnp.zeros(n, jnp.float32), jnp.arange(n, dtype=jnp.uint32))
+        with_sort = np.asarray(sample(logits, rows, pos, filters=True))
+        assert np.array_equal(with_sort, np.asarray(sample(logits, rows, pos, filters=False))), t
+    rows = SamplingRows(jnp.full(n, 1.3, jnp.float32), jnp.full(n, 7, jnp.int32), jnp.full(n, 0.8, jnp.float32),
+                        jnp.full(n, 0.02, jnp.float32), jnp.arange(n, dtype=jnp.uint32))
+    toks = np.asarray(sample(logits, rows, pos))
+    for i in range(n):
+        assert _kept_by_sorting(np.asarray(logits[i]) / 1.3, 7, 0.8, 0.02)[toks[i]]
+    assert SamplingParams(0.7, top_p=0.9).filtered and SamplingParams(0.7, min_p=0.1).filtered
+    assert not SamplingParams(0.7).filtered and not SamplingParams(0.0, top_k=5).filtered
 
 
 def test_planner_decisions():

@@ -89,20 +89,21 @@ def test_takes():
     assert gdn_decode.takes(cfg, jnp.bfloat16) and gdn_decode.takes(cfg, jnp.float32)
     assert not gdn_decode.takes(cfg, jnp.float16)
     assert not gdn_decode.takes(cfg.replace(linear_key_head_dim=24), jnp.float32)
+    c = cfg.linear_conv_dim
+    w = c + cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)  # qkv | z | b | a
     with pytest.raises(ValueError, match="block_v"):
-        c = cfg.linear_conv_dim
-        gdn_decode.recurrent_step(cfg, jnp.zeros((1, c)), jnp.zeros((1, 4)), jnp.zeros((1, 4)),
-                                  jnp.ones(1, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
-                                  jnp.zeros((1, 3, c)), jnp.zeros((1, 4, 16, 16)), block_v=6)
+        gdn_decode.recurrent_step(cfg, jnp.zeros((1, w)), jnp.ones(1, jnp.int32), jnp.zeros((c, 4)),
+                                  jnp.zeros(4), jnp.zeros(4), jnp.zeros((1, 3, c)), jnp.zeros((1, 4, 16, 16)),
+                                  block_v=6)
     with pytest.raises(ValueError, match="for 2 sequences"):
-        c = cfg.linear_conv_dim
-        gdn_decode.recurrent_step(cfg, jnp.zeros((2, c)), jnp.zeros((2, 4)), jnp.zeros((2, 4)),
-                                  jnp.ones(2, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
-                                  jnp.zeros((2, 3, c)), jnp.zeros((1, 4, 16, 16)))
+        gdn_decode.recurrent_step(cfg, jnp.zeros((2, w)), jnp.ones(2, jnp.int32), jnp.zeros((c, 4)),
+                                  jnp.zeros(4), jnp.zeros(4), jnp.zeros((2, 3, c)), jnp.zeros((1, 4, 16, 16)))
     with pytest.raises(ValueError, match="for 2 sequences"):
-        gdn_decode.recurrent_step(cfg, jnp.zeros((2, c)), jnp.zeros((2, 4)), jnp.zeros((2, 4)),
-                                  jnp.ones(2, jnp.int32), jnp.zeros((c, 4)), jnp.zeros(4), jnp.zeros(4),
-                                  jnp.zeros((1, 3, c)), jnp.zeros((2, 4, 16, 16)))
+        gdn_decode.recurrent_step(cfg, jnp.zeros((2, w)), jnp.ones(2, jnp.int32), jnp.zeros((c, 4)),
+                                  jnp.zeros(4), jnp.zeros(4), jnp.zeros((1, 3, c)), jnp.zeros((2, 4, 16, 16)))
+    with pytest.raises(ValueError, match="stacked in_proj"):
+        gdn_decode.recurrent_step(cfg, jnp.zeros((1, c)), jnp.ones(1, jnp.int32), jnp.zeros((c, 4)),
+                                  jnp.zeros(4), jnp.zeros(4), jnp.zeros((1, 3, c)), jnp.zeros((1, 4, 16, 16)))
     assert gdn_decode.takes(presets.preset("full"), jnp.bfloat16)
 
 

@@ -5,7 +5,8 @@ weights.
 On the CPU the kernels run in Pallas interpret mode. Inputs: random float32 residual rows at several scales,
 norm, bottleneck and injection weights in float32 and bfloat16, with and without injection weights (the final
 mixer), 1 to 8 rows, with and without the previous block's combine inside the mix (combine_mix). Tolerance,
-relative to the largest value: 1e-5 for x and inj, 1e-6 for the combined residual. Everything is float32 in
+relative to the largest value: 1e-5 for x and inj, 1e-6 for the combined residual, 2^-8 (one bfloat16 ulp) for x
+written in bfloat16. Everything is float32 in
 both; the kernels only sum in another order (measured 4e-8 to 8e-7, the full-size shapes included), and may
 fuse the combine's multiply-add (1e-7).
 """
@@ -65,6 +66,13 @@ def test_mix_matches_twin(dt, inject):
         assert got[0].shape == h.shape and rel_err(got[0], want[0]) < 1e-6
         assert rel_err(got[1], want[1]) < 1e-5
         assert (got[2] is None) == (not inject) and (not inject or rel_err(got[2], want[2]) < 1e-5)
+        # x in the block's input dtype, rounded as it is written: the float32 x rounded, up to one bfloat16 ulp
+        # where the two float32 sums straddle a rounding boundary
+        for fn in (lambda kernel: hc.mix(p, h, s, eps, kernel, jnp.bfloat16)[0],
+                   lambda kernel: hc.combine_mix(p, h, inj, y, s, eps, kernel, jnp.bfloat16)[1]):
+            xb0, xb1 = fn(False), fn(True)
+            assert xb0.dtype == xb1.dtype == jnp.bfloat16 and xb1.shape == xb0.shape
+            assert rel_err(xb1, xb0) < 2 ** -8
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_r=8, block_h=16, splits=5), dict(block_r=2, splits=5)])

@@ -136,6 +136,33 @@ def test_top_k_ranks_like_lax_top_k(monkeypatch):
     assert base.top_k(x, 3)[1].tolist() == [1, 3, 4] and base.top_k(x, 5)[1].tolist() == [1, 3, 4, 0, 2]
 
 
+def test_top_k_of_long_rows_in_two_stages(monkeypatch):
+    """Rows of GROUPED_ROWS entries or more (a vocabulary: the logprobs' top alternatives) select in two stages,
+    the k groups with the largest maxima, then their entries: lax.top_k's values and indices exactly, ties and
+    -inf entries included, a row whose length is not a multiple of the group, batched."""
+    from jaxflash.model import base
+
+    rng = np.random.default_rng(11)
+    monkeypatch.setattr(base, "GROUPED_ROWS", 64)
+    called = []
+    real = base._top_k_by_groups
+    monkeypatch.setattr(base, "_top_k_by_groups", lambda *a, **kw: called.append(1) or real(*a, **kw))
+    for shape, group in (((2, 3000), 16), ((4, 1001), 8), ((777,), 4), ((3, 2048), 128)):
+        for scale in (0.3, 5.0):  # few distinct values: long runs of ties; many
+            x = np.round(rng.normal(size=shape) * scale).astype(np.float32)
+            x[..., rng.integers(0, shape[-1], 9)] = -np.inf
+            for k in (1, 3, 20):
+                v, i = real(jnp.asarray(x), k, group)
+                v0, i0 = lax.top_k(jnp.asarray(x), k)
+                assert i.dtype == jnp.int32
+                np.testing.assert_array_equal(np.asarray(i), np.asarray(i0))
+                np.testing.assert_array_equal(np.asarray(v), np.asarray(v0))
+    monkeypatch.setattr(base, "_GROUP", 8)
+    x = jnp.asarray(rng.normal(size=(2, 1000)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(base.top_k(x, 5)[1]), np.asarray(lax.top_k(x, 5)[1]))
+    assert called  # top_k took the two stages
+
+
 def test_moe_paths_agree(ref, engine):
     """gather, tiled (several tiles per expert, partial tiles, steps of tiles) and ragged compute one sum."""
     from jaxflash.model import moe as moe_mod

@@ -12,6 +12,7 @@ import pytest
 
 import jaxflash
 from jaxflash.engine import runner as runner_mod
+from jaxflash.engine import scheduler as scheduler_mod
 from jaxflash.tokenizer import Tokenizer
 
 
@@ -361,6 +362,38 @@ def test_decode_runs_the_smallest_bucket(engine, tok, monkeypatch):
     run_events(engine.scheduler, reqs)
     assert reqs[0].out[:6] == solo and reqs[0].out == alone(engine, p, max_new_tokens=30, ignore_eos=True)
     assert 3 in rows and rows[-1] == 1  # the batch grew to three slots, then back to one
+
+
+def test_steps_sort_the_vocabulary_only_while_a_request_filters(engine, tok, monkeypatch):
+    """Decode steps run the program without the vocabulary sort (PLAIN) unless a request in the batch samples
+    with top-k, top-p or min-p; then the batch runs RICH, which filters. A seeded temperature-only request
+    gives the same tokens in either (its draw does not depend on the program), and a program without the
+    filters refuses a batch holding a filtering slot."""
+    wants = []
+    real = runner_mod.Runner.decode
+
+    def decode(self, want=runner_mod.Want(), *args, **kw):
+        wants.append(want)
+        return real(self, want, *args, **kw)
+
+    monkeypatch.setattr(runner_mod.Runner, "decode", decode)
+    p, q = tok.encode("In the beginning"), tok.encode("def f(")
+    solo = alone(engine, p, max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=11)
+    assert set(wants) == {scheduler_mod.PLAIN}
+    wants.clear()
+    reqs = requests(engine, [p, q], max_new_tokens=[24, 8], ignore_eos=True, temperature=[0.9, 0.8],
+                    top_p=[1.0, 0.7], seed=[11, 3])
+    run_events(engine.scheduler, reqs)
+    assert reqs[0].out == solo  # beside the filtering request it ran in RICH steps, then in PLAIN ones
+    assert scheduler_mod.RICH in wants and wants[-1] == scheduler_mod.PLAIN
+    (r,) = requests(engine, [q], top_k=5, temperature=0.5)
+    sched = engine.scheduler
+    sched._admit(r)
+    try:
+        with pytest.raises(ValueError, match="Want\\(filters=True\\)"):
+            sched.runner.decode(scheduler_mod.PLAIN, rows=1)
+    finally:
+        sched._free(r)
 
 
 def test_bucket_steps_pass_untouched_state_through(engine):

@@ -256,7 +256,8 @@ def test_health_and_queue_limits(tiny_server_start):
     seen = [status for _, status in start["health"]]
     assert start["health"][-1] == (200, "ok") and "warming up" in seen  # ready means compiled: it compiles first
     assert start["compiled"] == {"admit", "release", "prefill", "prefill[logprobs]", "prefill[score]"} | {
-        f"decode{w}@{b}" for b in (1, 2, 4) for w in ("", "[logprobs,masks]")}, start["compiled"]  # max_batch 4
+        f"decode{w}@{b}" for b in (1, 2, 4)  # max_batch 4
+        for w in ("", "[logprobs,masks,filters]")}, start["compiled"]
     worker, h = state.worker, {"Authorization": f"Bearer {KEY}"}
     limit, worker.max_waiting = worker.max_waiting, 0  # what create_app(max_waiting=0) sets: always full
     try:

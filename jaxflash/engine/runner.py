@@ -36,14 +36,14 @@ from ..config import ModelConfig
 from ..kernels import nvfp4_experts
 from ..model import mtp as mtp_mod
 from ..model.attention import PagedKV
-from ..model.base import Array, TokenBatch, pytree_dataclass, up
+from ..model.base import Array, TokenBatch, pytree_dataclass, top_k, up
 from ..model.gated_deltanet import GDNState
 from ..model.moe import ResidentExperts
 from ..model.transformer import LayerState, Params, commit_layers, final_logits, forward_layers, init_layer_state
 from . import program_store
 from . import speculative as spec_mod
 from .experts import CachedExperts, ChunkExperts, HostExperts
-from .sampling import SamplingRows, sample, verify
+from .sampling import SamplingParams, SamplingRows, sample, verify
 from .speculative import SpecState
 
 log = logging.getLogger("jaxflash")
@@ -164,6 +164,8 @@ class Want:
     logprobs: bool = False  # log-probability and top alternatives of each sampled token
     logits: bool = False  # the raw logits (and the MTP draft logits): tests, scoring tools
     masks: bool = False  # decode: take per-slot token masks (grammar constraints)
+    filters: bool = False  # decode and verify: honour top-k, top-p and min-p (a sort of the vocabulary per row;
+    # without it rows sample from their whole distribution, see sampling.sample). Prefill always does.
     score: bool = False  # prefill: log-probabilities of given next tokens at every chunk position
 
 
@@ -203,7 +205,7 @@ SCORE_ROWS = 256  # prompt scoring computes the logits of (at most) this many ch
 def logprobs_of(logits: Array, tokens: Array) -> LogProbs:
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
-    top, top_id = lax.top_k(lp, TOP_LOGPROBS)
+    top, top_id = top_k(lp, TOP_LOGPROBS)  # in two stages over a vocabulary row: no sort of the whole row
     return LogProbs(chosen, top_id.astype(jnp.int32), top)
 
 
@@ -282,7 +284,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     logits = final_logits(params, cfg, h[:, 0], hc_kernel)
     with jax.named_scope("sampling"):
         lengths = st.seqs.lengths + n_new
-        tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths)
+        tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths,
+                        filters=want.filters)
     drafts = draft_logits = None
     mtp = st.mtp
     if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, so that a later step's drafts read
@@ -338,7 +341,8 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
                                             attn_kernel=setup.attention_kernel)
     logits = final_logits(params, cfg, h, hc_kernel)  # [B, K+1, V]
     with jax.named_scope("sampling"):
-        tokens, accepted = verify(logits, sp.drafts, n_draft, st.sampling, st.seqs.lengths + 1)
+        tokens, accepted = verify(logits, sp.drafts, n_draft, st.sampling, st.seqs.lengths + 1,
+                                  filters=want.filters)
     keep = jnp.where(st.active, accepted + 1, 0)
     layers = commit_layers(cfg, pending, keep)
     lengths = st.seqs.lengths + keep
@@ -544,11 +548,13 @@ class Runner:
         # the state's structure and shapes, known without allocating it: programs compile before it exists
         self._state_shapes, self._state_def = jax.tree.flatten(jax.eval_shape(lambda: init_state(params, setup)))
         self._state: list | None = None  # allocated on the first call
+        self._filtered = np.zeros(setup.max_batch, bool)  # slots admitted with top-k, top-p or min-p
 
     def reset(self) -> None:
         """A fresh state: every slot free, the expert caches empty (also after a failure lost the donated one).
         The old state goes first, so the two are never held at once."""
         self._state = None
+        self._filtered[:] = False
         self._state = jax.tree.leaves(init_state(self.params, self.setup))
 
     def allocate(self) -> None:
@@ -730,11 +736,20 @@ class Runner:
         self._state, out = program(self._params, self._state, *args)
         return out
 
-    def admit(self, slot: int, pages: np.ndarray, sampling: SamplingRows) -> None:
-        self._call("admit", None, jnp.int32(slot), jnp.asarray(pages, jnp.int32), sampling)
+    def admit(self, slot: int, pages: np.ndarray, sampling: SamplingParams) -> None:
+        self._call("admit", None, jnp.int32(slot), jnp.asarray(pages, jnp.int32), SamplingRows.of(sampling))
+        self._filtered[slot] = sampling.filtered
 
     def release(self, slot: int) -> None:
         self._call("release", None, jnp.int32(slot))
+        self._filtered[slot] = False
+
+    def _check_filters(self, want: Want, rows: int) -> None:
+        """A program without Want.filters would sample a filtering slot from its whole distribution."""
+        if not want.filters and self._filtered[:rows].any():
+            slots = np.flatnonzero(self._filtered[:rows]).tolist()
+            raise ValueError(f"slots {slots} sample with top-k, top-p or min-p: run a program built with "
+                             "Want(filters=True)")
 
     def prefill(self, slot: int, tokens: np.ndarray, n: int, last: bool, mask: np.ndarray, follow: int,
                 want: Want = Want(), targets: np.ndarray | None = None) -> Pending:
@@ -756,6 +771,7 @@ class Runner:
         if want.masks != (masks is not None):
             raise ValueError("decode: pass masks exactly when the program is built with Want(masks=True)")
         rows = rows or self.setup.max_batch
+        self._check_filters(want, rows)
         routing = self.setup.routing
         ids = None if routing is None else jnp.asarray(routing.decode_ids(rows), jnp.int32)
         out = self._call("decode", want, None if masks is None else jnp.asarray(masks, jnp.int32), ids, rows=rows,
@@ -769,6 +785,7 @@ class Runner:
         rows = rows or self.setup.max_batch
         if want.masks:
             raise ValueError("verify: grammar masks need each token before the next; use decode")
+        self._check_filters(want, rows)
         routing = self.setup.routing
         ids = None if routing is None else jnp.asarray(routing.verify_ids(rows, self.setup.draft_tokens + 1),
                                                        jnp.int32)
@@ -796,13 +813,13 @@ class Runner:
 
     def compile_counts(self) -> dict[str, int]:
         """The programs compiled so far (each exactly once), by label: decode@4 is the decode step of slots
-        [0, 4), decode[logprobs,masks]@8 the one with logprobs and grammar masks over 8 slots, decode@8:4096
-        the one of 8 slots over the first 4096 positions."""
+        [0, 4), decode[logprobs,masks,filters]@8 the one with logprobs, grammar masks and filters over 8 slots,
+        decode@8:4096 the one of 8 slots over the first 4096 positions."""
         return {_label(*key): 1 for key in self._programs}
 
 
 def _label(name: str, want: Want | None, rows: int | None = None, span: int | None = None) -> str:
-    """admit, prefill, prefill[score], decode@8, decode[logprobs,masks]@1, decode@2:4096, ..."""
+    """admit, prefill, prefill[score], decode@8, decode[logprobs,masks,filters]@1, decode@2:4096, ..."""
     label = name
     if want not in (None, Want()):
         label += "[" + ",".join(f.name for f in dataclasses.fields(want) if getattr(want, f.name)) + "]"

@@ -40,13 +40,15 @@ import jax
 import numpy as np
 
 from .runner import Pending, Runner, StepOutput, Want
-from .sampling import SamplingParams, SamplingRows
+from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 # The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
-PLAIN, RICH = Want(), Want(logprobs=True, masks=True)
-VERIFY_RICH = Want(logprobs=True)  # verify steps take no grammar masks (such requests decode plainly)
+# A batch runs PLAIN unless a request in it needs more: logprobs, a grammar, or top-k / top-p / min-p (whose
+# vocabulary sort PLAIN leaves out); RICH does all three, so filters cost no programs of their own.
+PLAIN, RICH = Want(), Want(logprobs=True, masks=True, filters=True)
+VERIFY_RICH = Want(logprobs=True, filters=True)  # verify steps take no grammar masks (such requests decode plainly)
 # The short context bucket: while every running sequence is shorter, decode steps attend to this many positions
 # instead of the whole context (an engine planned for 32768 tokens serving a short chat reads an eighth).
 SHORT_SPAN = 4096
@@ -355,7 +357,7 @@ class Scheduler:
         row = np.full(self.runner.setup.max_pages, self.plan.num_pages, np.int32)  # num_pages: not owned
         row[:n] = req.pages
         self._owner[req.slot] = req
-        self.runner.admit(req.slot, row, SamplingRows.of(req.sampling))
+        self.runner.admit(req.slot, row, req.sampling)
 
     def _free(self, req: Request) -> None:
         if req.slot >= 0:
@@ -484,7 +486,7 @@ class Scheduler:
     def _dispatch_decode(self, events: list, timed: bool = True) -> bool:
         """timed: no prefill chunk was dispatched since the last decode step (StepCosts times the intervals
         between decode steps run back to back)."""
-        rich = any(r.logprobs is not None or r.constraint is not None for r in self.running)
+        rich = any(r.logprobs is not None or r.constraint is not None or r.sampling.filtered for r in self.running)
         top = max(r.slot for r in self.running) + 1
         rows = next(b for b in self.buckets if b >= top)
         caps = np.zeros(rows, np.int32)
@@ -497,7 +499,8 @@ class Scheduler:
         span = next(s for s in self.spans if s >= need)
         try:
             if fed > 1:
-                want = VERIFY_RICH if any(r.logprobs is not None for r in self.running) else PLAIN
+                want = VERIFY_RICH if any(r.logprobs is not None or r.sampling.filtered
+                                          for r in self.running) else PLAIN
                 pending = self.runner.verify(caps, want, rows=rows, span=span)
             elif rich:
                 masks = np.full((rows, self.mask_words), -1, np.int32)

@@ -1,7 +1,8 @@
 """The recurrent part of a Gated DeltaNet decode step in one kernel per layer (Pallas; Triton backend on a GPU).
 
-After the input projections (qkv, z, b, a: XLA matrix-vector products), program (i, h, c) of a grid of
-sequences x value heads x column blocks does, for sequence i, value head h and its value columns
+After the input projection (one XLA matrix-vector product of the stacked in_proj, qkv | z | b | a, whose row
+the kernel reads in place: slices of it handed to a custom call would each cost XLA a copy), program (i, h, c)
+of a grid of sequences x value heads x column blocks does, for sequence i, value head h and its value columns
 [c BV, (c+1) BV), what jaxflash.model.gated_deltanet does for one new token, where XLA spends about a dozen
 small kernels:
   * the causal depthwise conv over [conv state; the new row] of the columns it reads (all of q and k of key
@@ -48,8 +49,8 @@ def takes(cfg: ModelConfig, dtype) -> bool:
     return jnp.dtype(dtype) in DTYPES and pow2
 
 
-def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref,
-            o_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int):
+def _kernel(proj_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref,
+            o_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int, b_at: int):
     f32 = jnp.float32
     dt = o_ref.dtype
     h, c = pl.program_id(1), pl.program_id(2)  # axis 0: the sequence
@@ -61,7 +62,7 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
     def conv(start, n):
         """SiLU(conv) of columns [start, start + n), rounded as the model rounds."""
         cols = pl.ds(start, n)
-        rows = [conv_ref[r, cols] for r in range(width - 1)] + [qkv_ref[0, cols]]
+        rows = [conv_ref[r, cols] for r in range(width - 1)] + [proj_ref[0, cols]]
         acc = rows[0].astype(f32) * w_ref[cols, 0].astype(f32)
         for r in range(1, width):
             acc = acc + rows[r].astype(f32) * w_ref[cols, r].astype(f32)
@@ -76,8 +77,9 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     qf = qf * jax.lax.rsqrt(jnp.sum(qf * qf) + _L2_EPS) * (dk ** -0.5)
     kf = kf * jax.lax.rsqrt(jnp.sum(kf * kf) + _L2_EPS)
-    beta = jax.nn.sigmoid(b_ref[h].astype(f32))
-    g = -jnp.exp(a_log_ref[h].astype(f32)) * jax.nn.softplus(a_ref[h].astype(f32) + dt_bias_ref[h].astype(f32))
+    beta = jax.nn.sigmoid(proj_ref[0, b_at + h].astype(f32))
+    a = proj_ref[0, b_at + hv + h].astype(f32)
+    g = -jnp.exp(a_log_ref[h].astype(f32)) * jax.nn.softplus(a + dt_bias_ref[h].astype(f32))
     beta = jnp.where(live, beta, 0.0)
     g = jnp.where(live, g, 0.0)
 
@@ -89,32 +91,36 @@ def _kernel(qkv_ref, b_ref, a_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv
     o_ref[h, cols] = jnp.sum(s * qf[:, None], axis=0).astype(dt)  # (S^T q)
 
 
-def recurrent_step(cfg: ModelConfig, qkv_raw: Array, b: Array, a: Array, live: Array, conv_w: Array,
+def recurrent_step(cfg: ModelConfig, proj: Array, live: Array, conv_w: Array,
                    dt_bias: Array, a_log: Array, conv_state: Array, recurrent: Array, *,
                    interpret: bool | None = None, warps: int = 4, block_v: int = 32):
-    """One token of each of B sequences: qkv_raw [B, C], b and a [B, Hv], live [B] int32 (0: a padding token),
+    """One token of each of B sequences: proj [B, C + Hv dv + 2 Hv] the stacked input projection (the raw qkv
+    row, z, b, a; z is not read), live [B] int32 (0: a padding token),
     the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [N, K-1, C], recurrent [N, Hv, dk, dv]
     float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new recurrent state [N, ...]). Sequence i
     owns row i of both states; rows B..N-1 (the slots outside a decode bucket) are not read, and the recurrent
     ones stay as they are: that buffer is updated in place. The conv state is only read (its shift by one row
     is the caller's, see the module docstring). interpret: run in Pallas interpret mode (default: on anything
     but a GPU); block_v: value columns per program (clipped to dv)."""
-    return _recurrent_step(cfg, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
+    return _recurrent_step(cfg, proj, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
                            block_v=min(block_v, cfg.linear_value_head_dim))
 
 
 @partial(jax.jit, static_argnames=("cfg", "interpret", "warps", "block_v"))
-def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_log, conv_state, recurrent,
+def _recurrent_step(cfg: ModelConfig, proj, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                     *, interpret: bool, warps: int, block_v: int):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if dv % block_v:
         raise ValueError(f"block_v {block_v} does not divide the value head dim {dv}")
-    rows = qkv_raw.shape[0]
+    rows, width = proj.shape
+    b_at = cfg.linear_conv_dim + hv * dv  # where b's columns start (then a's)
+    if width != b_at + 2 * hv:
+        raise ValueError(f"a projection row of {width} columns; the stacked in_proj gives {b_at + 2 * hv}")
     if min(conv_state.shape[0], recurrent.shape[0]) < rows:
         raise ValueError(f"states of {conv_state.shape[0]} and {recurrent.shape[0]} rows for {rows} sequences")
-    kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, bv=block_v, width=cfg.linear_conv_kernel_dim)
+    kernel = partial(_kernel, hk=hk, hv=hv, dk=dk, bv=block_v, width=cfg.linear_conv_kernel_dim, b_at=b_at)
 
     def seq(shape):  # sequence i's block of a per-sequence array, its leading axis squeezed
         return pl.BlockSpec((None,) + shape, lambda i, h, c: (i,) + (0,) * len(shape))
@@ -122,17 +128,16 @@ def _recurrent_step(cfg: ModelConfig, qkv_raw, b, a, live, conv_w, dt_bias, a_lo
     def whole(shape):  # a weight every program reads whole
         return pl.BlockSpec(shape, lambda i, h, c: (0,) * len(shape))
 
-    c_dim = qkv_raw.shape[1]
     conv_spec, rec_spec = seq(conv_state.shape[1:]), seq(recurrent.shape[1:])
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), qkv_raw.dtype),
+        out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), proj.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
         grid=(rows, hv, dv // block_v),
-        in_specs=[seq((1, c_dim)), seq((hv,)), seq((hv,)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape),
-                  whole(a_log.shape), conv_spec, rec_spec],
+        in_specs=[seq((1, width)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape), whole(a_log.shape),
+                  conv_spec, rec_spec],
         out_specs=(seq((hv, dv)), rec_spec),
-        input_output_aliases={8: 1},
+        input_output_aliases={6: 1},
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="gdn_decode",
-    )(qkv_raw[:, None], b, a, live[:, None], conv_w, dt_bias, a_log, conv_state, recurrent)
+    )(proj[:, None], live[:, None], conv_w, dt_bias, a_log, conv_state, recurrent)

@@ -163,7 +163,7 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
             xn = hs[n][s] * rstd[n][s] * g
             out[n] = out[n] + jax.nn.sigmoid(jnp.sum(acc[n], axis=1)) * xn
     for n in range(rows):
-        x_ref[n, pl.ds(j * block_h, block_h)] = out[n] / streams
+        x_ref[n, pl.ds(j * block_h, block_h)] = (out[n] / streams).astype(x_ref.dtype)
 
     if inj_ref is not None:
         @pl.when(j == 0)
@@ -174,19 +174,21 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 
 
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
-        pending: tuple[Array, Array] | None = None, interpret: bool | None = None, block_r: int = BLOCK_R,
-        block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS):
-    """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] float32,
+        pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
+        block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS):
+    """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
+    (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]), a combine
     to apply to h first (hyper_connection.combine); the returned h is then the combined one, else h itself.
     interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
-    return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps,
+    return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
                 warps=warps, splits=splits)
 
 
-@partial(jax.jit, static_argnames=("streams", "eps", "interpret", "block_r", "block_h", "warps", "splits"))
-def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, interpret: bool, block_r: int,
+@partial(jax.jit, static_argnames=("streams", "eps", "x_dtype", "interpret", "block_r", "block_h", "warps",
+                                   "splits"))
+def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtype, interpret: bool, block_r: int,
          block_h: int, warps: int, splits: int):
     rows, width = h.shape
     rank = down.shape[0]
@@ -228,7 +230,7 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, interp
         h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []))
     h = got[-1] if fused else h
     parts_out = got[:3] if has_inject else (*got[:2], None)
-    outs = [jax.ShapeDtypeStruct((rows, hidden), f32)]
+    outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
     outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
     res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,), compiler_params=params,
                          interpret=interpret, name="hc_mix_up")(

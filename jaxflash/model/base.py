@@ -97,9 +97,38 @@ def _ranks(x: Array) -> Array | None:
     return jnp.sum(before, axis=-1, dtype=jnp.int32)  # a permutation of 0..n-1 per row
 
 
+# Rows at least this long (a vocabulary: the logprobs' top alternatives) select top_k in two stages
+# (_top_k_by_groups): on the H200 lax.top_k sorts every row, 63 us for one row of 248,320 and 511 us for eight
+GROUPED_ROWS = 1 << 16
+_GROUP = 128  # entries per group of the two-stage selection
+
+
+def _top_k_by_groups(x: Array, k: int, group: int | None = None) -> tuple[Array, Array]:
+    """top_k of long rows: first the k groups (of `group` consecutive entries, default _GROUP) with the largest
+    maxima, then the k largest entries of those groups. Exact, ties included: an entry of a group outside those
+    k has, in each of them, an entry before it (larger, or equal and at a lower index since groups are index
+    ranges)."""
+    *lead, n = x.shape
+    group = group or _GROUP
+    g = -(-n // group)
+    if g <= k:  # every group is a candidate
+        return lax.top_k(x, k)
+    xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, g * group - n)], constant_values=-jnp.inf)
+    groups = xp.reshape(*lead, g, group)
+    _, gid = top_k(jnp.max(groups, axis=-1), k)
+    gid = jnp.sort(gid, axis=-1)  # candidates in index order, so that equal values keep it
+    cand = jnp.take_along_axis(groups, gid[..., None], axis=-2).reshape(*lead, k * group)
+    val, at = top_k(cand, k)
+    idx = (gid[..., None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(*lead, k * group)
+    return val, jnp.take_along_axis(idx, at, axis=-1).astype(jnp.int32)
+
+
 def top_k(x: Array, k: int) -> tuple[Array, Array]:
     """lax.top_k over the last axis of a floating x: the k largest values, descending, and their indices
     (int32); equal values come in index order."""
+    n = x.shape[-1]
+    if n >= GROUPED_ROWS and n > 4 * k * _GROUP:
+        return _top_k_by_groups(x, k)
     rank = _ranks(x)
     if rank is None:
         return lax.top_k(x, k)

@@ -301,9 +301,10 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     b = x.shape[0]
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     live = (n_valid > 0).astype(jnp.int32)
-    qkv_raw, z, beta_in, a = linear_split(x, p.in_proj, p._edges())
-    o, recurrent = gdn_decode.recurrent_step(cfg, qkv_raw, beta_in, a, live, p.conv1d, p.dt_bias, p.A_log,
-                                             state.conv, state.recurrent)
+    proj = linear(x, p.in_proj)  # the kernel reads qkv, b and a in place
+    qkv_raw, z, _, _ = jnp.split(proj, list(p._edges()), axis=-1)
+    o, recurrent = gdn_decode.recurrent_step(cfg, proj, live, p.conv1d, p.dt_bias, p.A_log, state.conv,
+                                             state.recurrent)
     z = z.reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]

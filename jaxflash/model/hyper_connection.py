@@ -63,27 +63,32 @@ def _kernels_take(p: HyperConnection, h: Array, streams: int) -> bool:
     return h.dtype == jnp.float32 and hc_mix.takes(math.prod(h.shape[:-1]), h.shape[-1], streams, p.down.shape[0])
 
 
-def _in_kernels(p: HyperConnection, h: Array, streams: int, eps: float, pending=None):
+def _in_kernels(p: HyperConnection, h: Array, streams: int, eps: float, dtype, pending=None):
     """(h, x, inj) of the mix of h [..., W] in jaxflash.kernels.hc_mix, after the pending combine (inj0, y) if
-    any (then h is the combined residual, else h itself)."""
+    any (then h is the combined residual, else h itself); x in dtype."""
     lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
     if pending is not None:
         pending = (pending[0].reshape(rows, streams), pending[1].reshape(rows, -1))
-    x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps, pending=pending)
+    x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps, pending=pending,
+                            x_dtype=dtype)
     return hk.reshape(h.shape), x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
 
 
-def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = False) -> tuple[Array, Array | None]:
-    """Block input x [..., H] (float32) and injection weights [..., S] (None for the final mixer) of h [..., W].
+def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = False,
+        dtype=None) -> tuple[Array, Array | None]:
+    """Block input x [..., H] and injection weights [..., S] (None for the final mixer) of h [..., W], in h's
+    dtype (float32, float64 for a float64 model); x is rounded to `dtype` at the end if given (the block's
+    input dtype: a kernel writes it so, saving a conversion kernel).
     kernel: a few rows (a decode step) run in jaxflash.kernels.hc_mix (compiled on a GPU, interpreted
     elsewhere); this function's own code is that kernel's twin."""
     if kernel and _kernels_take(p, h, streams):
-        return _in_kernels(p, h, streams, eps)[1:]
+        return _in_kernels(p, h, streams, eps, dtype or h.dtype)[1:]
     hidden = h.shape[-1] // streams
     xn = rms_norm(up(h), p.norm, eps, group=hidden)
     a = silu(_f32_linear(xn, p.down) / streams)
     gates = jax.nn.sigmoid(_f32_linear(a, p.up))
     x = jnp.mean((gates * xn).reshape(*h.shape[:-1], streams, hidden), axis=-2)
+    x = x if dtype is None else x.astype(dtype)
     if p.inject is None:
         return x, None
     inj = 2.0 * jax.nn.sigmoid(_f32_linear(xn, p.inject) / streams)
@@ -91,14 +96,14 @@ def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = F
 
 
 def combine_mix(p: HyperConnection, h: Array, inj: Array, y: Array, streams: int, eps: float,
-                kernel: bool = False) -> tuple[Array, Array, Array | None]:
-    """combine(h, inj, y), then mix(p, ...) of the result: (h, x, inj) of the next block. kernel: a few rows
-    run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first), which saves XLA's
+                kernel: bool = False, dtype=None) -> tuple[Array, Array, Array | None]:
+    """combine(h, inj, y), then mix(p, ..., dtype) of the result: (h, x, inj) of the next block. kernel: a few
+    rows run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first), which saves XLA's
     combine kernel; this function's own code is their twin."""
     if kernel and _kernels_take(p, h, streams):
-        return _in_kernels(p, h, streams, eps, (inj, y))
+        return _in_kernels(p, h, streams, eps, dtype or h.dtype, (inj, y))
     h = combine(h, inj, y)
-    return (h, *mix(p, h, streams, eps))
+    return (h, *mix(p, h, streams, eps, dtype=dtype))
 
 
 def combine(h: Array, inj: Array, y: Array) -> Array:

@@ -107,8 +107,7 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     is_attention = isinstance(layer.mixer, Attention)
     with jax.named_scope("attention" if is_attention else "gdn"):
         with jax.named_scope("hyper_connection"):
-            x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel)
-        x = x.astype(dt)
+            x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel, dt)
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer, attn_kernel)
         else:
@@ -116,8 +115,8 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
 
     with jax.named_scope("moe"):
         with jax.named_scope("hyper_connection"):  # the mixer's combine with the MoE's mix
-            h, x, inj = hc.combine_mix(layer.mlp_hc, h, inj, y, s, eps, hc_kernel)
-        y, experts, routing = moe(layer.moe, cfg, x.astype(dt).reshape(b * t, -1), experts, index,
+            h, x, inj = hc.combine_mix(layer.mlp_hc, h, inj, y, s, eps, hc_kernel, dt)
+        y, experts, routing = moe(layer.moe, cfg, x.reshape(b * t, -1), experts, index,
                                   batch.valid.reshape(-1), expert_ids)
         with jax.named_scope("hyper_connection"):
             h = hc.combine(h, inj, y.reshape(b, t, -1))
@@ -178,7 +177,7 @@ def lm_logits(params: Params, x: Array) -> Array:
 def final_logits(params: Params, cfg: ModelConfig, h: Array, hc_kernel: bool = False) -> Array:
     """Logits [..., V] of the multi-stream state h [..., W]: the final stream mixer, then lm_head."""
     with jax.named_scope("lm_head"):
-        x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps, hc_kernel)
+        x, _ = hc.mix(params.mixer, h, cfg.hc_count, cfg.rms_norm_eps, hc_kernel, params.dtype)
         return lm_logits(params, x)
 
 
