@@ -44,9 +44,9 @@ from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# The decode programs the scheduler uses: plain, and one for requests that need logprobs or grammar masks.
-# A batch runs PLAIN unless a request in it needs more: logprobs, a grammar, or top-k / top-p / min-p (whose
-# vocabulary sort PLAIN leaves out); RICH does all three, so filters cost no programs of their own.
+# The decode programs the scheduler uses. A batch runs PLAIN unless a request in it needs more: logprobs, a
+# grammar, or top-k / top-p / min-p (whose vocabulary sort PLAIN leaves out); RICH does all three, so filters
+# cost no programs of their own.
 PLAIN, RICH = Want(), Want(logprobs=True, masks=True, filters=True)
 VERIFY_RICH = Want(logprobs=True, filters=True)  # verify steps take no grammar masks (such requests decode plainly)
 # The short context bucket: while every running sequence is shorter, decode steps attend to this many positions
