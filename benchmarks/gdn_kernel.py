@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     def one_raw(key):  # the stacked input projection's output of batch 1: qkv | z | b | a
         return rnd(key, (1, 1, c + hv * dv + 2 * hv), 1.0)
 
-    def parts(proj):  # [1, 1, W] -> qkv [1, 1, C], z [1, Hv, dv], b and a [1, Hv]
-        qkv, z, b, a = jnp.split(proj, [c, c + hv * dv, c + hv * dv + hv], axis=-1)
+    def parts(p, proj):  # [1, 1, W] -> qkv [1, 1, C], z [1, Hv, dv], b and a [1, Hv]
+        qkv, z, b, a = jnp.split(proj, list(p._edges()), axis=-1)
         return qkv, z.reshape(1, hv, dv), b[:, 0], a[:, 0]
 
     keys = jax.random.split(key, 3 * L + 1)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         return o[0], hist[1:], rec
 
     def kernel_recurrent(p, proj, conv_state, rec, warps, block_v):  # the same with the kernel
-        qkv_raw, z, _, _ = parts(proj)
+        qkv_raw, z, _, _ = parts(p, proj)
         o, rec = gdn_decode.recurrent_step(cfg, proj[:, 0], live[:, 0], p.conv1d, p.dt_bias, p.A_log,
                                            conv_state, rec, warps=warps, block_v=block_v)
         conv_state = jnp.concatenate([conv_state[:, 1:], qkv_raw], axis=1)  # the shift, as the model does it
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     def recurrent_program(variant):
         def one(p, r, st):
             if variant is None:
-                qkv, z, b, a = parts(r)
+                qkv, z, b, a = parts(p, r)
                 o, cs, rec = jax.vmap(lambda *t: xla_recurrent(p, *t))(qkv, z, b, a, st.conv, st.recurrent)
             else:
                 o, cs, rec = kernel_recurrent(p, r, st.conv, st.recurrent, *variant)

@@ -498,9 +498,8 @@ class Scheduler:
         need = min(max(len(r.prompt) + r.decoded + fed + self.chain for r in self.running), self.max_seq_len)
         span = next(s for s in self.spans if s >= need)
         try:
-            if fed > 1:
-                want = VERIFY_RICH if any(r.logprobs is not None or r.sampling.filtered
-                                          for r in self.running) else PLAIN
+            if fed > 1:  # no request in the batch has a grammar (caps above), so `rich` is logprobs or filters
+                want = VERIFY_RICH if rich else PLAIN
                 pending = self.runner.verify(caps, want, rows=rows, span=span)
             elif rich:
                 masks = np.full((rows, self.mask_words), -1, np.int32)
