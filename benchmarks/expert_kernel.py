@@ -156,8 +156,8 @@ def main(argv=None) -> int:
                          "(0 lanes, 0 blocks: automatic)")
     ap.add_argument("--sweep", default="none",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
-                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale[:launch]]]];... (math: f32, "
-                         "f16x2, auto; x_scale: chunk, row; launch: two, one)")
+                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale]]];... (math: f32, f16x2, "
+                         "auto; x_scale: chunk, row)")
     ap.add_argument("--sweep-budget", type=float, default=300,
                     help="seconds for the sweep: configurations left when it is spent are skipped (and listed)")
     ap.add_argument("--out", default=None)
@@ -226,10 +226,8 @@ def main(argv=None) -> int:
         rplace, rops = K.record_operands(layout, rec)
         ref = f64_reference(ex, x, np.asarray(ids), w) if n_tok <= 3 else None
         r = {}
-        # the Pallas kernels' two product paths, their one-launch form (float16x2) and the CUDA route
-        for math in ("f32", "f16x2", "one", "cuda"):
-            t = (K.Tiles(rows_gu=8, rows_down=32, warps_gu=4, launch="one") if math == "one"
-                 else K.Tiles(math=math if math != "cuda" else "auto"))
+        for math in ("f32", "f16x2", "cuda"):  # the Pallas kernels' two product paths, and the CUDA route
+            t = K.Tiles(math=math if math != "cuda" else "auto")
             route = "cuda" if math == "cuda" else "pallas"
             try:
                 kern = jax.jit(lambda ops, x, ids, w: K.routed_experts(place, ops, x, ids, w, t, route=route))(
@@ -369,8 +367,7 @@ def main(argv=None) -> int:
     def pallas_tiles(g):
         return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
                        unroll=g[6] if len(g) > 6 else K.Tiles().unroll, math=g[7] if len(g) > 7 else K.Tiles().math,
-                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale,
-                       launch=g[9] if len(g) > 9 else K.Tiles().launch)
+                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
 
     best = run_sweep("pallas", [pallas_tiles(g) for g in grid], time.perf_counter() + args.sweep_budget)
     chosen = best.get("b1", (None, K.Tiles()))[1]

@@ -185,53 +185,6 @@ def test_records_read_every_slot():
     assert rel_err(out2, experts_gather(records_as_experts(layout, slots), x, ids2, w)) < TOL_F16X2
 
 
-@pytest.mark.parametrize("pairs,gu_blocks,down_blocks", [(1, 3, 5), (2, 4, 1), (5, 2, 7), (30, 20, 80)])
-def test_one_launch_runs_every_program_once_after_what_it_waits_for(pairs, gu_blocks, down_blocks):
-    """_one_launch_roles: each (role, pair, block) is one program of the grid, and every down program of a pair
-    comes after all gate/up programs of that pair (the GPU starts programs in id order; a down program spins until
-    its pair's gate/up programs are done, so one queued behind it would never come)."""
-    q = jnp.arange(pairs * (gu_blocks + down_blocks), dtype=jnp.int32)
-    is_gu, pair, blk = (np.asarray(a) for a in K._one_launch_roles(q, pairs, gu_blocks, down_blocks))
-    gu = sorted(zip(pair[is_gu].tolist(), blk[is_gu].tolist()))
-    down = sorted(zip(pair[~is_gu].tolist(), blk[~is_gu].tolist()))
-    assert gu == [(p, b) for p in range(pairs) for b in range(gu_blocks)]
-    assert down == [(p, b) for p in range(pairs) for b in range(down_blocks)]
-    last_gu = {p: int(np.max(np.nonzero(is_gu & (pair == p))[0])) for p in range(pairs)}
-    first_down = {p: int(np.min(np.nonzero(~is_gu & (pair == p))[0])) for p in range(pairs)}
-    assert all(first_down[p] > last_gu[p] for p in range(pairs))
-
-
-@pytest.mark.parametrize("n_exp,k,n_tok,dtype,rows", [(7, 3, 1, jnp.bfloat16, (8, 8)), (7, 3, 3, jnp.bfloat16, (4, 16)),
-                                                      (16, 4, 5, jnp.float32, (32, 64)),
-                                                      (5, 1, 2, jnp.bfloat16, (8, 32))])
-def test_one_launch_matches_two(n_exp, k, n_tok, dtype, rows):
-    """Tiles(launch="one"): gate/up and down in one launch, the down programs waiting on per-pair counters, give
-    the two kernels' output (the same arithmetic per program: equal in interpret mode) and the twin's, on shared
-    experts, resident tensors and records."""
-    rng = np.random.default_rng(n_exp * 100 + k * 10 + n_tok)  # ids distinct per token (as top-k gives)
-    h, i = 64, 32
-    ex = random_experts(rng, n_exp, h, i)
-    ids = top_k_ids(rng, n_tok, n_exp, k)
-    if n_tok >= 3:
-        ids[2] = ids[0]
-        ids[1, 0] = ids[0, -1]
-    assert all(len(set(r)) == k for r in ids.tolist())  # a token's k experts are distinct, as top-k's
-    ids = jnp.asarray(ids)
-    x = jnp.asarray(rng.normal(size=(n_tok, h)), dtype)
-    w = jnp.asarray(rng.uniform(size=(n_tok, k)), dtype)
-    twin = experts_gather(ex, x, ids, w)
-    layout = ExpertLayout("nvfp4", h, i)
-    for place, ops in (K.resident_operands(ex), K.record_operands(layout, jnp.asarray(records_of(layout, ex)))):
-        two = K.routed_experts(place, ops, x, ids, w, tiles=K.Tiles(rows_gu=rows[0], rows_down=rows[1]))
-        one = K.routed_experts(place, ops, x, ids, w,
-                               tiles=K.Tiles(rows_gu=rows[0], rows_down=rows[1], launch="one"))
-        assert rel_err(one, twin) < tol(dtype)
-        if not K.on_gpu():
-            np.testing.assert_array_equal(np.asarray(one), np.asarray(two))
-    with pytest.raises(ValueError, match="launch"):
-        K.routed_experts(place, ops, x, ids, w, tiles=K.Tiles(launch="three"))
-
-
 def test_each_expert_is_computed_by_one_program():
     """_group: of the pairs that share an expert only the first works, and it serves every token of that
     expert at that token's pair (the kernels read a shared expert once)."""

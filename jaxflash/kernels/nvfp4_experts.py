@@ -49,7 +49,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from . import compiler_params, on_gpu
@@ -146,10 +145,6 @@ class Tiles:
     unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
     math: str = "auto"  # "f32", "f16x2" (see _f16x2_products), "auto": f16x2 for bfloat16 tokens
     x_scale: str = "chunk"  # f16x2: the inputs' power of two per "chunk" of a walk, or per "row" (one pre-pass)
-    launch: str = "two"  # "two" kernels, or "one" launch for both (_one_launch_kernel; warps_gu for every program)
-
-
-LAUNCHES = ("two", "one")
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -159,28 +154,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def _warps_for(tile_bytes: int, warps: int) -> int:
-    """The largest power of two <= warps whose threads hold at least four bytes of a tile of tile_bytes codes
-    each: the float16x2 products take four bytes per instruction, and a thread with fewer computes garbage."""
-    w = 1
-    while w * 2 <= warps and tile_bytes >= 4 * 32 * w * 2:
-        w *= 2
-    return w
-
-
 def fit_tiles(place: Placement, t: Tiles) -> Tiles:
-    """The tiles clamped to the shapes (tiny test models have H, I far under the defaults), with the warps of
-    each kernel clamped to its tile (_warps_for); in one launch every program has warps_gu warps."""
+    """The tiles clamped to the shapes (tiny test models have H, I far under the defaults)."""
     h, i = place.hidden, place.inter
-    rows_gu, rows_down = _pow2_divisor(i, t.rows_gu), _pow2_divisor(h, t.rows_down)
-    chunk_gu = max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu))
-    chunk_down = max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down))
-    warps_gu = _warps_for(rows_gu * chunk_gu, t.warps_gu)
-    warps_down = _warps_for(rows_down * chunk_down, t.warps_down)
-    if t.launch == "one":
-        warps_gu = warps_down = min(warps_gu, _warps_for(rows_down * chunk_down, t.warps_gu))
-    return dataclasses.replace(t, rows_gu=rows_gu, rows_down=rows_down, chunk_gu=chunk_gu, chunk_down=chunk_down,
-                               warps_gu=warps_gu, warps_down=warps_down)
+    return Tiles(rows_gu=_pow2_divisor(i, t.rows_gu), rows_down=_pow2_divisor(h, t.rows_down),
+                 chunk_gu=max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu)),
+                 chunk_down=max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down)),
+                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math,
+                 x_scale=t.x_scale)
 
 
 MATHS = ("auto", "f32", "f16x2")
@@ -191,8 +172,6 @@ def resolve_math(t: Tiles, dtype) -> str:
         raise ValueError(f"Tiles.math must be one of {MATHS}, got {t.math!r}")
     if t.x_scale not in ("chunk", "row"):
         raise ValueError(f"Tiles.x_scale must be 'chunk' or 'row', got {t.x_scale!r}")
-    if t.launch not in LAUNCHES:
-        raise ValueError(f"Tiles.launch must be one of {LAUNCHES}, got {t.launch!r}")
     if t.math == "auto":
         return "f16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"
     return t.math
@@ -403,9 +382,9 @@ def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Pa
 
 
 # ----- the kernels -----------------------------------------------------------------------------------------------
-# A program computes rows `blk` of one pair's expert. Only the first pair of each distinct expert works; it runs
-# once per token that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat
-# reads the expert's few KB per program again from L1/L2, not from HBM).
+# Grid (pair, block of output rows). Only the first pair of each distinct expert works; it runs once per token
+# that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat reads the
+# expert's few KB per program again from L1/L2, not from HBM).
 def _products(t: Tiles, interpret: bool):
     """dot(codes, scales, xe, xo, row scale or None) -> [rows, groups] float32 for the tile's arithmetic
     (t.math resolved)."""
@@ -418,14 +397,13 @@ def _input_scale(t: Tiles, ref, row, steps: int, chunk: int, groups: int):
     return _row_scale(ref, row, steps, chunk, groups) if t.math == "f16x2" and t.x_scale == "row" else None
 
 
-def _gate_up_rows(ids_ref, x_ref, w, act_ref, p, blk, *, place: Placement, n_tok: int, k: int, t: Tiles,
-                  interpret: bool):
-    """act rows blk * rows_gu .. of pair p's expert, for every token that chose it (if p is its first pair)."""
-    e, first, hit, pair = _group(ids_ref, p, n_tok, k)
+def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
+    *w, act_ref = refs
+    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
     rows, chunk = t.rows_gu, t.chunk_gu
     groups = chunk // _BYTES_PER_GROUP
     half_h = place.hidden // 2
-    row0 = blk * rows
+    row0 = pl.program_id(1) * rows
     dt = act_ref.dtype
     load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
                         (place.gate_scale, place.up_scale), _fold(t))
@@ -450,118 +428,29 @@ def _gate_up_rows(ids_ref, x_ref, w, act_ref, p, blk, *, place: Placement, n_tok
             act_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = a
 
 
-def _down_rows(ids_ref, act_ref, w, y_ref, p, blk, *, place: Placement, n_tok: int, k: int, t: Tiles,
-               interpret: bool, wait=None):
-    """y rows blk * rows_down .. of pair p's expert, for every token that chose it (if p is its first pair).
-    wait(): called after the weights' loads are issued and before act is read (the one-launch form), in which
-    case the walk is unrolled so that every load is in flight while the program waits."""
-    e, first, hit, pair = _group(ids_ref, p, n_tok, k)
+def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
+    *w, y_ref = refs
+    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
     rows, chunk = t.rows_down, t.chunk_down
     groups = chunk // _BYTES_PER_GROUP
     half_i = place.inter // 2
-    steps = half_i // chunk
-    row0 = blk * rows
+    row0 = pl.program_id(1) * rows
     load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,), _fold(t))
     dot = _products(t, interpret)
 
-    @pl.when(first)
-    def _():
-        tiles = None
-        if wait is not None:
-            tiles = [load(s) for s in range(steps)]
-            wait()
-        for r in range(n_tok):
-            @pl.when(hit[r])
-            def _():
-                xs = _input_scale(t, act_ref, pair[r], steps, chunk, groups)
+    for r in range(n_tok):
+        @pl.when(first & hit[r])
+        def _():
+            xs = _input_scale(t, act_ref, pair[r], half_i // chunk, chunk, groups)
 
-                def compute(tile, step, acc):
-                    (dw,), (sc,) = tile
-                    ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
-                    return acc + dot(dw, sc, ae, ao, xs)
+            def compute(tile, step, acc):
+                (dw,), (sc,) = tile
+                ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
+                return acc + dot(dw, sc, ae, ao, xs)
 
-                acc = jnp.zeros((rows, groups), jnp.float32)
-                if tiles is not None:
-                    for s in range(steps):
-                        acc = compute(tiles[s], s, acc)
-                else:
-                    acc = _walk(steps, t.unroll, load, compute, acc)
-                y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
-                y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
-
-
-def _gate_up_kernel(ids_ref, x_ref, *refs, **kw):
-    *w, act_ref = refs
-    _gate_up_rows(ids_ref, x_ref, w, act_ref, pl.program_id(0), pl.program_id(1), **kw)
-
-
-def _down_kernel(ids_ref, act_ref, *refs, **kw):
-    *w, y_ref = refs
-    _down_rows(ids_ref, act_ref, w, y_ref, pl.program_id(0), pl.program_id(1), **kw)
-
-
-def _one_launch_roles(q, pairs: int, gu_blocks: int, down_blocks: int):
-    """The one-launch grid's program q as (is a gate/up program, pair, block). Programs run in segments: gate/up
-    of pair 0; then for s = 1 .. pairs-1, gate/up of pair s followed by down of pair s-1; last, down of the last
-    pair. So a down program is launched after every gate/up program of its pair: the GPU starts programs in
-    order of their ids, hence the programs it waits for are running or done, never queued behind it."""
-    seg = gu_blocks + down_blocks
-    rest = q - gu_blocks
-    s = rest // seg + 1
-    r = rest % seg
-    head, last = q < gu_blocks, s >= pairs
-    is_gu = head | (~last & (r < gu_blocks))
-    pair = jnp.where(head, 0, jnp.where(is_gu, s, s - 1))
-    blk = jnp.where(head, q, jnp.where(is_gu | last, r, r - gu_blocks))
-    return is_gu, pair, blk
-
-
-def _one_launch_kernel(ids_ref, x_ref, *refs, pairs: int, gu_blocks: int, down_blocks: int, interpret: bool,
-                       **kw):
-    """Gate/up and down in one launch. A gate/up program writes its act rows and counts itself done in
-    ready[pair]; a down program issues its weights' loads, waits until ready[pair] counts all gu_blocks, then
-    reads act. The down weights' reads thus overlap the gate/up programs' work and no second launch ramps up."""
-    *w, _ready_in, act_ref, y_ref, ready = refs  # ready (int32 [pairs], zeros) is aliased: in and out are one
-    is_gu, pair, blk = _one_launch_roles(pl.program_id(0), pairs, gu_blocks, down_blocks)
-
-    @pl.when(is_gu)
-    def _():
-        _gate_up_rows(ids_ref, x_ref, w, act_ref, pair, blk, interpret=interpret, **kw)
-        _signal(ready, pair, interpret)
-
-    @pl.when(~is_gu)
-    def _():
-        _down_rows(ids_ref, act_ref, w, y_ref, pair, blk, interpret=interpret,
-                   wait=lambda: _wait(ready, pair, gu_blocks, interpret), **kw)
-
-
-def _signal(ready, i, interpret: bool):
-    """ready[i] += 1 once every thread of the program has stored its results (a barrier, then one atomic add with
-    release semantics at GPU scope, which makes the program's stores visible before the count)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    if not interpret:  # interpret mode runs a program as one sequence
-        plgpu.debug_barrier()
-    plgpu.atomic_add(ready, i, np.int32(1))
-
-
-def _wait(ready, i, count: int, interpret: bool):
-    """Spin until ready[i] reaches count, then one atomic read (acquire semantics at GPU scope) and a barrier, so
-    that no thread of the program reads what the counted programs wrote before the count is seen. The spin reads
-    with volatile loads (from L2, never a stale L1 line): atomics on the one word, from every waiting program,
-    would queue the counting programs' own atomic adds behind them. (Interpret mode runs the programs in order of
-    their ids, so there the count is complete at the first read.)"""
-    if interpret:
-        jax.lax.while_loop(lambda v: v < count, lambda _: ready[i], ready[i])
-        return
-    from jax.experimental.pallas import triton as plgpu
-
-    def read(_):
-        return jnp.sum(plgpu.load(ready.at[pl.ds(i, 1)], volatile=True))
-
-    jax.lax.while_loop(lambda v: v < count, read, read(None))
-    plgpu.atomic_add(ready, i, np.int32(0))
-    plgpu.debug_barrier()
+            acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
+            y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
+            y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
@@ -573,29 +462,17 @@ def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
     dt = x.dtype
     t = dataclasses.replace(t, math=resolve_math(t, dt))
     flat = ids.reshape(-1).astype(jnp.int32)
-    kw = dict(place=place, n_tok=n_tok, k=k, t=t)
-    gu_blocks, down_blocks = place.inter // t.rows_gu, place.hidden // t.rows_down
-    act_shape = jax.ShapeDtypeStruct((pairs, place.inter), dt)
-    y_shape = jax.ShapeDtypeStruct((pairs, place.hidden), dt)
-    if t.launch == "one":
-        ready = jnp.zeros((pairs,), jnp.int32)
-        _, y, _ = pl.pallas_call(
-            partial(_one_launch_kernel, pairs=pairs, gu_blocks=gu_blocks, down_blocks=down_blocks,
-                    interpret=interpret, **kw),
-            out_shape=(act_shape, y_shape, jax.ShapeDtypeStruct((pairs,), jnp.int32)),
-            grid=(pairs * (gu_blocks + down_blocks),),
-            input_output_aliases={2 + len(operands): 2},
-            compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
-            interpret=interpret, name="nvfp4_experts",
-        )(flat, x, *operands, ready)
-        return y.reshape(n_tok, k, place.hidden)
     act = pl.pallas_call(
-        partial(_gate_up_kernel, interpret=interpret, **kw), out_shape=act_shape, grid=(pairs, gu_blocks),
+        partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((pairs, place.inter), dt),
+        grid=(pairs, place.inter // t.rows_gu),
         compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
         interpret=interpret, name="nvfp4_gate_up",
     )(flat, x, *operands)
     y = pl.pallas_call(
-        partial(_down_kernel, interpret=interpret, **kw), out_shape=y_shape, grid=(pairs, down_blocks),
+        partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
+        grid=(pairs, place.hidden // t.rows_down),
         compiler_params=compiler_params(interpret, t.warps_down, t.stages),
         interpret=interpret, name="nvfp4_down",
     )(flat, act, *operands)
