@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +51,29 @@ def matmul(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, precision=precision_for(a.dtype), preferred_element_type=acc_dtype(a.dtype))
 
 
+# Token rows up to which a bfloat16 product on a GPU whose output is narrower than its input (GDN's out_proj and
+# attention's o_proj, 2560 x 6144) is written as products and a sum over the inputs (linear_by_sum): XLA emits
+# one row reduction reading w at 2.9 TB/s, where its GEMM for that shape splits the inputs over two kernels.
+# H100: 14.0 -> 10.7 us per product, a GDN layer 60.0 -> 56.1 us; with 8 rows the reduction reads w once per
+# row, 6x slower than the GEMM (benchmarks/gemv_forms.py, RESULTS.md).
+SUM_ROWS = 1
+
+
 def linear(x: Array, w: Array) -> Array:
     """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype (bf16 accumulates in
-    float32)."""
+    float32). One bf16 row with a narrow output takes linear_by_sum on a GPU (SUM_ROWS)."""
+    if (x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= SUM_ROWS and w.shape[0] < w.shape[1]
+            and jax.default_backend() == "gpu"):
+        return linear_by_sum(x, w)
     y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision_for(x.dtype),
                    preferred_element_type=acc_dtype(x.dtype))
+    return y.astype(x.dtype)
+
+
+def linear_by_sum(x: Array, w: Array) -> Array:
+    """linear's product as float32 products (exact for bf16 operands) summed over the inputs: the same arithmetic
+    as the tensor cores' bf16 dot with float32 sums, in another order."""
+    y = jnp.sum(x.astype(jnp.float32)[..., None, :] * w.astype(x.dtype).astype(jnp.float32), axis=-1)
     return y.astype(x.dtype)
 
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Decode-size matrix products y = x @ W^T (bf16 W stored [out, in], a few token rows) in two forms XLA compiles
+differently, at the full-size model's shapes:
+  * dot: an einsum with float32 sums (base.linear's general form; XLA emits a Triton GEMM, split-K for narrow
+    outputs such as out_proj's 2560 rows);
+  * reduce: the products in float32 and their sum over K written as a multiply and a reduction (base.linear_by_sum,
+    which base.linear takes for one bf16 row with a narrow output on a GPU), which XLA emits as a row-reduction
+    kernel reading W once per row of x.
+Each shape is multiplied by L distinct weights in one jitted program (so L2 holds none of them); per product it
+reports the GPU kernel time from a profiler trace, the kernels, the bytes of W and the fraction of 4.2 TB/s, and
+the two forms' relative difference. The L products do not depend on each other, and XLA fuses the reductions of
+several into one kernel (about 0.1 kernels per product on the H100), which the products of a decode step, each
+waiting for the last, never allow: benchmarks/gdn_kernel.py measures the form inside GDN layers.
+
+    python3 benchmarks/gemv_forms.py --out $OUT                   # on the GPU
+    python3 benchmarks/gemv_forms.py --preset tiny --layers 2      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels, wall_us  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full", choices=["full", "tiny"])
+    ap.add_argument("--layers", type=int, default=24, help="distinct weights per shape in one program")
+    ap.add_argument("--rows", default="1,8", help="comma-separated token rows")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash.model.base import acc_dtype, linear_by_sum, precision_for
+    from jaxflash.synthetic import make_config
+
+    cfg = make_config(args.preset)
+    h = cfg.hidden_size
+    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    in_rows = 2 * key_dim + 2 * value_dim + 2 * cfg.linear_num_value_heads  # qkv, z, b, a stacked
+    shapes = {"gdn_out_proj": (h, value_dim), "attn_o_proj": (h, cfg.num_attention_heads * cfg.head_dim),
+              "gdn_in_proj": (in_rows, h), "router_shared": (cfg.num_experts + 2 * cfg.shared_expert_intermediate_size, h)}
+
+    def dot(x, w):
+        return jnp.einsum("...k,nk->...n", x, w, precision=precision_for(x.dtype),
+                          preferred_element_type=acc_dtype(x.dtype)).astype(x.dtype)
+
+    forms = {"dot": dot, "reduce": linear_by_sum}
+    dev = jax.devices()[0]
+    res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+           "python": platform.python_version(), "layers": args.layers, "runs": []}
+    log(f"device {dev.device_kind}, jax {jax.__version__}; {args.layers} distinct weights per shape")
+    key = jax.random.key(0)
+    for name, (n, k) in shapes.items():
+        key, kw = jax.random.split(key)
+        ws = [w for w in jax.random.normal(kw, (args.layers, n, k), jnp.bfloat16) * 0.02]
+        nbytes = n * k * 2
+        for rows in (int(r) for r in args.rows.split(",")):
+            key, kx = jax.random.split(key)
+            x = jax.random.normal(kx, (rows, k), jnp.bfloat16)
+            outs = {}
+            for form, f in forms.items():
+                fn = jax.jit(lambda ws, x, f=f: [f(x, w) for w in ws])
+                outs[form] = fn(ws, x)
+                us, kernels = trace_kernels(fn, (ws, x), args.reps)
+                wall = wall_us(fn, (ws, x), args.reps)
+                per = max(us / args.layers, 1e-9)  # a CPU trace has no GPU kernels
+                run = {"shape": name, "n": n, "k": k, "rows": rows, "form": form, "gpu_us": per,
+                       "kernels": kernels / args.layers, "wall_us": wall / args.layers, "bytes": nbytes,
+                       "tbps": nbytes / (per * 1e-6) / 1e12, "frac": nbytes / (per * 1e-6) / COPY_CEILING}
+                res["runs"].append(run)
+                log(f"  {name:14s} [{n:6d} x {k:5d}] rows {rows}: {form:6s} GPU {per:8.2f} us in "
+                    f"{run['kernels']:.1f} kernels, {run['tbps']:.2f} TB/s ({run['frac'] * 100:.0f}% of 4.2), "
+                    f"wall {run['wall_us']:.2f} us")
+            err = rel_err(outs["reduce"], outs["dot"])
+            res["runs"][-1]["rel_diff_vs_dot"] = err
+            log(f"  {name:14s} rows {rows}: reduce vs dot, relative difference {err:.2e}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gemv_forms.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
