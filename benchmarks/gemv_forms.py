@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Decode-size matrix products y = x @ W^T (bf16 W stored [out, in], a few token rows) in two forms XLA compiles
 differently, at the full-size model's shapes:
-  * dot: an einsum with float32 sums (base.linear's general form; XLA emits a Triton GEMM, split-K for narrow
-    outputs such as out_proj's 2560 rows);
+  * dot: an einsum with float32 sums (base.linear; XLA emits a Triton GEMM, split-K for narrow outputs such as
+    out_proj's 2560 rows);
   * reduce: the products in float32 and their sum over K written as a multiply and a reduction (base.linear_by_sum,
-    which base.linear takes for one bf16 row with a narrow output on a GPU), which XLA emits as a row-reduction
-    kernel reading W once per row of x.
+    which base.linear_narrow takes for one bf16 row on a GPU), which XLA emits as a row-reduction kernel reading W
+    once per row of x.
 Each shape is multiplied by L distinct weights in one jitted program (so L2 holds none of them); per product it
 reports the GPU kernel time from a profiler trace, the kernels, the bytes of W and the fraction of 4.2 TB/s, and
 the two forms' relative difference. The L products do not depend on each other, and XLA fuses the reductions of

@@ -19,7 +19,8 @@ from jax import lax
 from ..config import ModelConfig
 from ..kernels import attention_decode
 from . import qsa
-from .base import Array, TokenBatch, acc_dtype, linear, linear_split, matmul, pytree_dataclass, stacked_part, up
+from .base import (Array, TokenBatch, acc_dtype, linear_narrow, linear_split, matmul, pytree_dataclass,
+                   stacked_part, up)
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -212,7 +213,7 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
                                                                                  q_index)
     o = o.reshape(b, t, nh * hd)
     o = o * jax.nn.sigmoid(up(gate.reshape(b, t, nh * hd))).astype(o.dtype)
-    return linear(o, p.o_proj), kv
+    return linear_narrow(o, p.o_proj), kv
 
 
 def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_block: int, k_block: int, q_b: Array,

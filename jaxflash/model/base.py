@@ -51,6 +51,14 @@ def matmul(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, precision=precision_for(a.dtype), preferred_element_type=acc_dtype(a.dtype))
 
 
+def linear(x: Array, w: Array) -> Array:
+    """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype (bf16 accumulates in
+    float32)."""
+    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision_for(x.dtype),
+                   preferred_element_type=acc_dtype(x.dtype))
+    return y.astype(x.dtype)
+
+
 # Token rows up to which a bfloat16 product on a GPU whose output is narrower than its input (GDN's out_proj and
 # attention's o_proj, 2560 x 6144) is written as products and a sum over the inputs (linear_by_sum): XLA emits
 # one row reduction reading w at 2.9 TB/s, where its GEMM for that shape splits the inputs over two kernels.
@@ -59,15 +67,14 @@ def matmul(spec: str, a: Array, b: Array) -> Array:
 SUM_ROWS = 1
 
 
-def linear(x: Array, w: Array) -> Array:
-    """x @ w.T with w stored [out, in] as in the checkpoint; the result has x's dtype (bf16 accumulates in
-    float32). One bf16 row with a narrow output takes linear_by_sum on a GPU (SUM_ROWS)."""
+def linear_narrow(x: Array, w: Array) -> Array:
+    """linear for w with fewer outputs than inputs, where x holds every row of the product: linear_by_sum for up
+    to SUM_ROWS bf16 rows on a GPU, else linear. (Under an outer vmap, which hides the batch's rows from the
+    rule, the products are the same, only slower for a large batch.)"""
     if (x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= SUM_ROWS and w.shape[0] < w.shape[1]
             and jax.default_backend() == "gpu"):
         return linear_by_sum(x, w)
-    y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), precision=precision_for(x.dtype),
-                   preferred_element_type=acc_dtype(x.dtype))
-    return y.astype(x.dtype)
+    return linear(x, w)
 
 
 def linear_by_sum(x: Array, w: Array) -> Array:

@@ -17,7 +17,8 @@ from jax import lax
 
 from ..config import ModelConfig
 from ..kernels import gdn_chunk, gdn_decode
-from .base import Array, acc_dtype, linear, linear_split, pytree_dataclass, silu, stacked_part, up
+from .base import (Array, acc_dtype, linear, linear_narrow, linear_split, pytree_dataclass, silu, stacked_part,
+                   up)
 from .norms import l2norm, rms_norm_gated
 
 CHUNK = 64
@@ -307,7 +308,7 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
                                              state.recurrent)
     z = z.reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
-    y = linear(o.reshape(b, hv * dv), p.out_proj)[:, None]
+    y = linear_narrow(o.reshape(b, hv * dv), p.out_proj)[:, None]
     # conv_window of [old rows; the new row] at n = live, as a select that XLA fuses with the new row's
     # computation (a padding token keeps its rows); written in place
     old = state.conv[:b]
