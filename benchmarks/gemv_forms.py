@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxflash.model.base import acc_dtype, linear_by_sum, precision_for
+    from jaxflash.model.base import linear, linear_by_sum
     from jaxflash.synthetic import make_config
 
     cfg = make_config(args.preset)
@@ -51,13 +51,9 @@ def main(argv=None) -> int:
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     in_rows = 2 * key_dim + 2 * value_dim + 2 * cfg.linear_num_value_heads  # qkv, z, b, a stacked
     shapes = {"gdn_out_proj": (h, value_dim), "attn_o_proj": (h, cfg.num_attention_heads * cfg.head_dim),
-              "gdn_in_proj": (in_rows, h), "router_shared": (cfg.num_experts + 2 * cfg.shared_expert_intermediate_size, h)}
-
-    def dot(x, w):
-        return jnp.einsum("...k,nk->...n", x, w, precision=precision_for(x.dtype),
-                          preferred_element_type=acc_dtype(x.dtype)).astype(x.dtype)
-
-    forms = {"dot": dot, "reduce": linear_by_sum}
+              "gdn_in_proj": (in_rows, h),
+              "router_shared": (cfg.num_experts + 2 * cfg.shared_expert_intermediate_size, h)}
+    forms = {"dot": linear, "reduce": linear_by_sum}
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
            "python": platform.python_version(), "layers": args.layers, "runs": []}
