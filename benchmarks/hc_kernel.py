@@ -29,14 +29,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels_by_name, wall_us  # noqa: E402
 
 
+def random_mixes(preset, count, note=""):
+    """The preset's config, count hyper-connection mixes of its shapes, each with its own random bf16 weights
+    (separate buffers, as the engine holds them), a key for the residual rows and a mix's weight bytes; logs
+    the conditions."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash import presets
+    from jaxflash.model import hyper_connection as hc
+
+    cfg = presets.preset(preset)
+    s, r, w = cfg.hc_count, cfg.hc_lowrank, cfg.hidden_size * cfg.hc_count
+    log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {preset}: {count} mixes, {s} streams x "
+        f"{cfg.hidden_size}, rank {r}, bf16 weights, float32 residual" + (f", {note}" if note else ""))
+
+    def one(key):
+        k = jax.random.split(key, 4)
+        rnd = lambda kk, shape, sc: (jax.random.normal(kk, shape, jnp.float32) * sc).astype(jnp.bfloat16)  # noqa
+        return hc.HyperConnection(norm=rnd(k[0], (w,), 0.3), down=rnd(k[1], (r, w), 0.02),
+                                  up=rnd(k[2], (w, r), 0.1), inject=rnd(k[3], (s, w), 0.02))
+
+    keys = jax.random.split(jax.random.PRNGKey(0), count + 1)
+    mixes = [one(keys[i]) for i in range(count)]
+    return cfg, mixes, keys[-1], sum(a.nbytes for a in jax.tree.leaves(mixes[0]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full", choices=["full", "small", "tiny"])
     ap.add_argument("--mixes", type=int, default=96, help="mixes (and combines) chained in one program")
     ap.add_argument("--rows", default="1,8", help="comma-separated token row counts")
-    ap.add_argument("--variants", default="4:8:4:1,2:8:4:1,8:8:4:1,4:16:4:1,4:8:8:1,8:16:8:5,4:8:4:5",
-                    help="comma-separated kernel variants block_r:block_h:warps[:splits], each run with its "
-                         "combine separate and fused into the next mix")
+    ap.add_argument("--variants", default="4:8:4:1:2:64,4:8:4:1:4:64,2:8:2:1:2:64,8:8:8:1:2:256,4:16:4:1:2:256",
+                    help="comma-separated kernel variants block_r:block_h:warps[:splits[:up_warps[:r_piece]]] "
+                         "(splits default 1; the up kernel's warps and its loads of the rank default to the "
+                         "engine's hc_mix.UP_WARPS and R_PIECE), each run with its combine separate and fused "
+                         "into the next mix")
+    ap.add_argument("--fused-only", action="store_true", help="run each kernel variant with its combine fused only")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -44,27 +73,19 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxflash import presets
     from jaxflash.kernels import hc_mix, on_gpu
     from jaxflash.model import hyper_connection as hc
 
-    cfg = presets.preset(args.preset)
+    cfg, mixes, h_key, weight_bytes = random_mixes(args.preset, args.mixes)
     s, r, eps = cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps
     w = cfg.hidden_size * s
-    dev = jax.devices()[0]
-    log(f"device {dev.device_kind}, jax {jax.__version__}; {args.preset}: {args.mixes} mixes, {s} streams x "
-        f"{cfg.hidden_size}, rank {r}, bf16 weights, float32 residual")
-
-    def one(key):  # separate buffers per mix, as the engine holds them
-        k = jax.random.split(key, 4)
-        rnd = lambda kk, shape, sc: (jax.random.normal(kk, shape, jnp.float32) * sc).astype(jnp.bfloat16)  # noqa
-        return hc.HyperConnection(norm=rnd(k[0], (w,), 0.3), down=rnd(k[1], (r, w), 0.02),
-                                  up=rnd(k[2], (w, r), 0.1), inject=rnd(k[3], (s, w), 0.02))
-
-    keys = jax.random.split(jax.random.PRNGKey(0), args.mixes + 1)
-    mixes = [one(keys[i]) for i in range(args.mixes)]
-    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(mixes[0]))
-    variants = [(tuple(int(n) for n in v.split(":")) + (1,))[:4] for v in args.variants.split(",")]
+    variants = []
+    for v in args.variants.split(","):
+        given = tuple(int(n) for n in v.split(":"))
+        if not 3 <= len(given) <= 6:
+            ap.error(f"--variants: {v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece]]]")
+        defaults = (None, None, None, 1, hc_mix.UP_WARPS, hc_mix.R_PIECE)  # the fields left out: the engine's
+        variants.append(given + defaults[len(given):])
 
     def program(variant, fused=False):
         """The chain of mixes and combines; fused: each combine runs inside the next mix's kernels
@@ -73,9 +94,9 @@ def main(argv=None) -> int:
             if variant is None or variant == "f32":  # XLA's mix; its cases run unfused (pending is None)
                 m = m if variant is None else jax.tree.map(lambda a: a.astype(jnp.float32), m)
                 return (*hc.mix(m, h, s, eps), h)
-            br, bh, warps, splits = variant
+            br, bh, warps, splits, up_warps, r_piece = variant
             return hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, pending=pending, block_r=br,
-                              block_h=bh, warps=warps, splits=splits)
+                              block_h=bh, warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
 
         def run(ms, h):
             pending = None
@@ -87,15 +108,15 @@ def main(argv=None) -> int:
             return h if pending is None else hc.combine(h, *pending)
         return jax.jit(run)
 
-    res = {"device": str(dev.device_kind), "jax": jax.__version__, "python": platform.python_version(),
+    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "python": platform.python_version(),
            "preset": args.preset, "mixes": args.mixes, "weight_bytes_per_mix": weight_bytes, "runs": []}
     for rows in [int(n) for n in args.rows.split(",")]:
-        h = jax.random.normal(keys[-1], (rows, w), jnp.float32)
+        h = jax.random.normal(h_key, (rows, w), jnp.float32)
         ref = program(None)(mixes, h)
         cases = [("xla", None, False), ("xla-f32", "f32", False)]
         for v in variants:
-            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3]}"
-            cases += [(name, v, False), (name + "-fused", v, True)]
+            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3]}-u{v[4]}-p{v[5]}"
+            cases += ([] if args.fused_only else [(name, v, False)]) + [(name + "-fused", v, True)]
         for name, variant, fused in cases:
             fn = program(variant, fused)
             err = rel_err(fn(mixes, h), ref) if variant is not None else 0.0

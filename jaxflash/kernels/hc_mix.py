@@ -38,14 +38,15 @@ Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
 _CHUNK = 512  # weight columns (of a stream) per load of the down kernel, at most
 _ACC_PER_THREAD = 32  # float32 accumulators per thread in the down kernel (its chunks shrink with more rows)
-_R_CHUNK = 64  # bottleneck columns per load of the up kernel, at most
 # Token rows up to which the kernels beat XLA's mix on the H200 (benchmarks/RESULTS.md; one mix with its combine
-# inside the kernels: 1 row 10.9 us against XLA's 13.6; 8 rows 43.9 against 21.3). The engine runs them for steps
+# inside the kernels: 1 row 9.2 us against XLA's 13.6; 8 rows 43.9 against 21.3). The engine runs them for steps
 # of at most this many rows.
 FASTER_ROWS = 1
-# Tiles measured best on the H200 (benchmarks/hc_kernel.py): rows of down per program, columns per program of
-# the up kernel, warps, splits of a stream's columns in the down kernel.
-BLOCK_R, BLOCK_H, WARPS, SPLITS = 4, 8, 4, 1
+# Tiles measured best on the H200 at one row (benchmarks/hc_kernel.py, 15 variants): rows of down per program,
+# columns per program of the up kernel, warps of the down kernel, splits of a stream's columns in the down
+# kernel, warps of the up kernel (2 rather than the down kernel's 4: 9.2 us per mix against 10.9).
+# R_PIECE: bottleneck columns per load of the up kernel, at most (the rank is read in power-of-two pieces).
+BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -54,6 +55,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
     return d
+
+
+def _pieces(n: int, cap: int) -> tuple[tuple[int, int], ...]:
+    """[0, n) as (start, size) runs whose sizes are powers of two <= cap, largest first."""
+    out, at = [], 0
+    while at < n:
+        size = min(cap, 1 << ((n - at).bit_length() - 1))
+        out.append((at, size))
+        at += size
+    return tuple(out)
 
 
 def _chunk(hidden: int, rows: int, block_r: int, warps: int) -> int:
@@ -71,7 +82,7 @@ def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R
     chunk = _chunk(hidden, max(rows, 1), block_r, warps)
     return (1 <= rows <= MAX_ROWS and streams & (streams - 1) == 0 and hidden * streams == width
             and rank % block_r == 0 and hidden % block_h == 0 and chunk >= 16 and (hidden // chunk) % splits == 0
-            and _pow2_divisor(rank, _R_CHUNK) >= 8)
+            and rank % 8 == 0)
 
 
 def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
@@ -79,7 +90,7 @@ def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, 
     f32 = jnp.float32
     i, c = pl.program_id(0), pl.program_id(1)
     s = c // splits
-    n_down = pl.num_programs(0) - (1 if inject_ref is not None else 0)
+    n_down = down_ref.shape[0] // block_r  # programs of down's rows; the next one (if any) takes inject's
     loads = hidden // chunk // splits
     first = s * hidden + (c % splits) * (loads * chunk)  # this split's first column
 
@@ -132,14 +143,13 @@ def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, 
 
 
 def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
-               hidden: int, rank: int, block_h: int, r_chunk: int, splits: int, eps: float):
+               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float):
     f32 = jnp.float32
     j = pl.program_id(0)
 
     # The weights first (they do not depend on the partials, whose loads and arithmetic then overlap theirs).
-    r_chunks = rank // r_chunk
     cols = [pl.ds(s * hidden + j * block_h, block_h) for s in range(streams)]
-    ws = [[up_ref[cols[s], pl.ds(k * r_chunk, r_chunk)] for k in range(r_chunks)] for s in range(streams)]
+    ws = [[up_ref[cols[s], pl.ds(r0, size)] for r0, size in pieces] for s in range(streams)]
     gs = [norm_ref[c] for c in cols]
     hs = [[h_ref[n, c] for c in cols] for n in range(rows)]
 
@@ -148,20 +158,21 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 
     rstd = [[jax.lax.rsqrt(over_splits(ss_ref, n, s) / hidden + eps) for s in range(streams)]
             for n in range(rows)]
-    # a = silu(down xn / S) from the per-stream partials, one chunk of the rank at a time
-    a = [[jax.nn.silu(sum(rstd[n][s] * over_splits(p_ref, n, s, (pl.ds(k * r_chunk, r_chunk),))
-                          for s in range(streams)) / streams) for k in range(r_chunks)] for n in range(rows)]
+    # a = silu(down xn / S) from the per-stream partials, one piece of the rank at a time
+    a = [[jax.nn.silu(sum(rstd[n][s] * over_splits(p_ref, n, s, (pl.ds(r0, size),))
+                          for s in range(streams)) / streams) for r0, size in pieces] for n in range(rows)]
     out = [jnp.zeros((block_h,), f32) for _ in range(rows)]
     for s in range(streams):
-        acc = [jnp.zeros((block_h, r_chunk), f32) for _ in range(rows)]
-        for k in range(r_chunks):
-            w = ws[s][k].astype(f32)  # [block_h, r_chunk]
+        acc = [{} for _ in range(rows)]  # per row, an accumulator per piece size
+        for k, (_, size) in enumerate(pieces):
+            w = ws[s][k].astype(f32)  # [block_h, size]
             for n in range(rows):
-                acc[n] = acc[n] + w * a[n][k][None, :]
+                acc[n][size] = acc[n].get(size, jnp.zeros((block_h, size), f32)) + w * a[n][k][None, :]
         g = 1.0 + gs[s].astype(f32)
         for n in range(rows):
             xn = hs[n][s] * rstd[n][s] * g
-            out[n] = out[n] + jax.nn.sigmoid(jnp.sum(acc[n], axis=1)) * xn
+            dot = sum(jnp.sum(t, axis=1) for t in acc[n].values())
+            out[n] = out[n] + jax.nn.sigmoid(dot) * xn
     for n in range(rows):
         x_ref[n, pl.ds(j * block_h, block_h)] = (out[n] / streams).astype(x_ref.dtype)
 
@@ -175,7 +186,8 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
-        block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS):
+        block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS,
+        up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]), a combine
@@ -183,26 +195,25 @@ def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, str
     interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
-                warps=warps, splits=splits)
+                warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
 
 
 @partial(jax.jit, static_argnames=("streams", "eps", "x_dtype", "interpret", "block_r", "block_h", "warps",
-                                   "splits"))
+                                   "splits", "up_warps", "r_piece"))
 def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtype, interpret: bool, block_r: int,
-         block_h: int, warps: int, splits: int):
+         block_h: int, warps: int, splits: int, up_warps: int, r_piece: int):
     rows, width = h.shape
     rank = down.shape[0]
     hidden = width // streams
     if h.dtype != jnp.float32 or not takes(rows, width, streams, rank, block_r, block_h, splits, warps):
         raise ValueError(f"hc_mix takes float32 rows [<= {MAX_ROWS}, S*H] with power-of-two tiles; got "
                          f"{h.dtype}{list(h.shape)}, {streams} streams, rank {rank}")
-    params = compiler_params(interpret, warps)
     f32 = jnp.float32
     has_inject, fused = inject is not None, pending is not None
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
                           chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
-    up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, rank=rank, block_h=block_h,
-                        r_chunk=_pow2_divisor(rank, _R_CHUNK), splits=splits, eps=eps)
+    up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h,
+                        pieces=_pieces(rank, r_piece), splits=splits, eps=eps)
 
     # Pallas passes refs positionally: inputs, then outputs. Absent ones (no pending combine, no injection
     # weights: the final mixer) are None in the kernels.
@@ -226,13 +237,13 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     outs += [jax.ShapeDtypeStruct((rows, parts, streams), f32)] if has_inject else []
     outs += [jax.ShapeDtypeStruct((rows, width), f32)] if fused else []
     got = pl.pallas_call(down_call, out_shape=tuple(outs), grid=(rank // block_r + has_inject, parts),
-                         compiler_params=params, interpret=interpret, name="hc_mix_down")(
+                         compiler_params=compiler_params(interpret, warps), interpret=interpret, name="hc_mix_down")(
         h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []))
     h = got[-1] if fused else h
     parts_out = got[:3] if has_inject else (*got[:2], None)
     outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
     outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
-    res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,), compiler_params=params,
-                         interpret=interpret, name="hc_mix_up")(
+    res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,),
+                         compiler_params=compiler_params(interpret, up_warps), interpret=interpret, name="hc_mix_up")(
         h, norm, up, *(p for p in parts_out if p is not None))
     return res[0], (res[1] if has_inject else None), h
