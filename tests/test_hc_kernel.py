@@ -135,6 +135,8 @@ def test_takes_and_fallback(monkeypatch):
     assert hc_mix.takes(1, full.hidden_size * full.hc_count, full.hc_count, full.hc_lowrank)
     with pytest.raises(ValueError, match="hc_mix takes"):
         hc_mix.mix(jnp.zeros((9, w)), jnp.zeros(w), jnp.zeros((r, w)), jnp.zeros((w, r)), None, s, 1e-6)
+    with pytest.raises(ValueError, match="r_piece must be a power of two"):
+        hc_mix.mix(jnp.zeros((1, w)), jnp.zeros(w), jnp.zeros((r, w)), jnp.zeros((w, r)), None, s, 1e-6, r_piece=12)
     # more rows than the kernels take (a prefill chunk): hc.mix keeps its own code
     monkeypatch.setattr(hc_mix, "mix", lambda *a, **k: pytest.fail("the kernel ran for 16 rows"))
     p = random_hc(np.random.default_rng(9), cfg, jnp.float32, True)

@@ -208,6 +208,8 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     if h.dtype != jnp.float32 or not takes(rows, width, streams, rank, block_r, block_h, splits, warps):
         raise ValueError(f"hc_mix takes float32 rows [<= {MAX_ROWS}, S*H] with power-of-two tiles; got "
                          f"{h.dtype}{list(h.shape)}, {streams} streams, rank {rank}")
+    if r_piece < 1 or r_piece & (r_piece - 1):  # the up kernel's loads are blocks of power-of-two width
+        raise ValueError(f"hc_mix: r_piece must be a power of two, got {r_piece}")
     f32 = jnp.float32
     has_inject, fused = inject is not None, pending is not None
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
