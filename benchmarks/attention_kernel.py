@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default=TILES,
                     help="comma-separated kernel tilings block:split:warps:stages for the core scope (split 0: "
                          "the kernel's choice; the layer scope uses the Tiles default)")
+    ap.add_argument("--scopes", default="core,layer", help="comma-separated: core, layer")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -141,11 +142,14 @@ def main(argv=None) -> int:
                 return x, new
             return Stepper(jax.jit(run, donate_argnums=0), fresh(), layers, x)
 
-        programs = [("core", "xla", lambda: core_program(None), kv_bytes)]
-        programs += [("core", "kernel-" + ":".join(str(v) for v in vars(tl).values()),
-                      lambda tl=tl: core_program(tl), kv_bytes) for tl in tilings]
-        programs += [("layer", "xla", lambda: layer_program(False), kv_bytes + weight_bytes + index_bytes),
-                     ("layer", "kernel", lambda: layer_program(True), kv_bytes + weight_bytes + index_bytes)]
+        programs = []
+        if "core" in args.scopes.split(","):
+            programs += [("core", "xla", lambda: core_program(None), kv_bytes)]
+            programs += [("core", "kernel-" + ":".join(str(v) for v in vars(tl).values()),
+                          lambda tl=tl: core_program(tl), kv_bytes) for tl in tilings]
+        if "layer" in args.scopes.split(","):
+            programs += [("layer", "xla", lambda: layer_program(False), kv_bytes + weight_bytes + index_bytes),
+                         ("layer", "kernel", lambda: layer_program(True), kv_bytes + weight_bytes + index_bytes)]
         # numerics of one layer on the same input (chained layers would compound both paths' roundings)
         one = jax.jit(lambda p, xx, bt, kv, kernel: attn.attention(p, cfg, xx, bt, kv, kernel)[0], static_argnums=4)
         err = rel_err(one(layers[0], x, batch, caches0[0], True), one(layers[0], x, batch, caches0[0], False))
@@ -171,7 +175,8 @@ def main(argv=None) -> int:
                    "floor_us": nbytes / COPY_CEILING * 1e6}
             line = f"  {scope:5s} {name:22s}: wall {wall:8.2f} us/layer"
             if gpu:
-                kus, n, top = trace_kernels_by_name(fn, (), max(2, args.reps // 4))
+                kus, n, top = trace_kernels_by_name(fn, (), max(2, args.reps // 4),
+                                                    top=40 if scope == "layer" else 14)
                 run.update(kernel_us_per_layer=kus / L, kernels_per_layer=n / L,
                            fraction_of_hbm=nbytes / (kus / L * 1e-6) / COPY_CEILING)
                 line += (f", GPU {kus / L:8.2f} us/layer in {n / L:5.1f} kernels; {nbytes / 1e6:7.2f} MB -> floor "

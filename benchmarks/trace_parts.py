@@ -60,6 +60,8 @@ KERNEL_PARTS = [
     ("nvfp4_grouped_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
     ("attention_decode", "attention"),  # the paged attention kernel (jaxflash/kernels/attention_decode.py)
+    ("attention_new_rows", "attention"),  # the kernels around it (jaxflash/kernels/attention_prep.py)
+    ("qsa_block_scores", "attention"),
     ("hc_mix", "hyper-connections"),  # the mix kernels (jaxflash/kernels/hc_mix.py), the final mixer's included
 ]
 
@@ -68,7 +70,8 @@ def gpu_kernels(trace_dir: str, module: str | None = None) -> list[dict]:
     """The GPU kernel events (ph X on a GPU process) of the newest perfetto trace under trace_dir. With
     `module` (e.g. "jit_decode"), the XLA:CPU ops of that program instead: the CPU backend runs its thunks on
     host threads, which lets the attribution be tested without a GPU."""
-    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    files = ([trace_dir] if os.path.isfile(trace_dir)  # a trace file itself (decode.py --keep-trace keeps one)
+             else glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir} (trace with create_perfetto_trace=True)")
     with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
@@ -198,6 +201,26 @@ def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> di
     }
 
 
+def kernels_of(events: list[dict], steps: int, hlo_text: str, part: str) -> list[tuple[str, float, float]]:
+    """The kernels of one part, grouped by their scope with layer numbers as `layer_*` (one group per kind of
+    kernel in every layer): (scope or kernel name, kernels per step, us per step), longest first."""
+    scopes = scopes_of(hlo_text)
+    time, count = collections.Counter(), collections.Counter()
+    for e in events:
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or e["name"]
+        scope = scopes.get(op) or scopes.get(e["name"])
+        got = part_of(scope)
+        if got == "unattributed":
+            got = next((p for k, p in KERNEL_PARTS if k in e["name"]), got)
+        if got != part:
+            continue
+        key = re.sub(r"layer_\d+", "layer_*", scope) if scope else e["name"][:80]
+        time[key] += e["dur"]
+        count[key] += 1
+    return [(k, count[k] / steps, us / steps) for k, us in time.most_common()]
+
+
 def format_summary(r: dict) -> str:
     lines = [f"kernels/step {r['kernels_per_step']:.0f} ({r['in_cuda_graph']:.0%} in CUDA graphs), GPU busy "
              f"{r['busy_ms_per_step']:.2f} ms/step, span {r['span_ms_per_step']:.2f} ms/step, median kernel "
@@ -219,10 +242,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, required=True, help="how many steps the trace holds")
     ap.add_argument("--hlo", help="the traced program's optimized HLO text (jax Compiled.as_text())")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--list", metavar="PART", help="also list the kernels of this part (e.g. attention) by scope; "
+                    "needs --hlo")
     a = ap.parse_args(argv)
-    hlo = open(a.hlo).read() if a.hlo else None
-    r = summarise(gpu_kernels(a.trace_dir), a.steps, hlo)
+    hlo = (gzip.open(a.hlo, "rt") if a.hlo.endswith(".gz") else open(a.hlo)).read() if a.hlo else None
+    events = gpu_kernels(a.trace_dir)
+    r = summarise(events, a.steps, hlo)
     print(format_summary(r))
+    if a.list:
+        if hlo is None:
+            ap.error("--list needs --hlo")
+        print(f"kernels of {a.list} per step:")
+        for key, n, us in kernels_of(events, a.steps, hlo, a.list):
+            print(f"  {us:8.1f} us  {n:5.1f} kernels  {key}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

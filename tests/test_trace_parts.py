@@ -40,6 +40,9 @@ def test_decode_step_time_splits_by_part(nvfp4_mtp, tmp_path):
         assert parts.get(part, 0) > 0, (part, parts)
     assert parts.get("unattributed", 0) < 0.5 * sum(parts.values())
     assert r["kernels_per_step"] > 100 and r["busy_ms_per_step"] > 0
+    listed = trace_parts.kernels_of(events, steps, sched.runner.program_text("decode", rows=1), "attention")
+    assert listed and all("layer_*" in k or "layer_" not in k for k, _, _ in listed)  # layers grouped
+    assert abs(sum(us for _, _, us in listed) / 1e3 - parts["attention"]) < 1e-9
 
 
 def test_part_labels():

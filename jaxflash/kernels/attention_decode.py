@@ -81,21 +81,25 @@ def takes(n_heads: int, n_kv: int, head_dim: int, rows: int, dtype) -> bool:
 
 
 def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, page: int,
-            n_pages: int, n_kv: int, d: int, t: Tiles, g: int, t_new: int, r: int, n_blocks: int, qsa: bool):
+            n_pages: int, n_kv: int, d: int, t: Tiles, g: int, t_new: int, m_rows: int, r: int, n_blocks: int,
+            qsa: bool):
     f32 = jnp.float32
     h, c = pl.program_id(1), pl.program_id(2)
-    q = q_ref[...]  # [M, d]
-    pos = pos_ref[...]  # [M]: each row's query position, -1 for padding rows
-    m_rows = pos.shape[0]
+    # the query rows of KV head h, token-major then its G heads, read where they lie in q [T, n_heads, d];
+    # padding rows (from T G up to M) repeat a real row and sit at position -1
+    m_idx = jnp.arange(m_rows, dtype=jnp.int32)
+    t_row = jnp.minimum(m_idx // g, t_new - 1)  # each row's query token
+    head = h * g + m_idx % g
+    cols = jnp.arange(d, dtype=jnp.int32)[None, :]
+    q = q_ref[(t_row * (n_kv * g) + head)[:, None] * d + cols]  # [M, d]
+    pos = jnp.where(m_idx < t_new * g, pos_ref[t_row], -1)  # [M]: each row's query position
     scale = d ** -0.5
     # key blocks holding a key at or before the last query; this program's share of them
     last = jnp.max(pos)
     needed = (last + t.block) // t.block
     lo = c * (t.split // t.block)
     hi = jnp.minimum(lo + t.split // t.block, needed)
-    cols = jnp.arange(d, dtype=jnp.int32)[None, :]
     if qsa:
-        t_row = jnp.minimum(jnp.arange(m_rows, dtype=jnp.int32) // g, t_new - 1)  # each row's query token
         visible = (pos + 1) // r  # complete QSA blocks each row sees; blocks from there on are its tail
 
     def step(j, carry):
@@ -140,15 +144,10 @@ def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, *, r: i
     m_rows = _pow2_ceil(t_new * g)
     t = tiles.fit(n_keys, m_rows, b * n_kv)
     n_splits = -(-n_keys // t.split)
-    # query rows per (sequence, KV head): token-major, then the G heads of that KV head; padding rows at -1
-    qm = q.astype(k_pages.dtype).reshape(b, t_new, n_kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n_kv, -1, d)
-    qm = jnp.pad(qm, ((0, 0), (0, 0), (0, m_rows - t_new * g), (0, 0)))
-    pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), g, axis=1), ((0, 0), (0, m_rows - t_new * g)),
-                  constant_values=-1)
     qsa = chosen is not None
     n_blocks = chosen.shape[-1] if qsa else 1
     chosen = (chosen.astype(jnp.int32).reshape(b, -1) if qsa else jnp.zeros((b, 1), jnp.int32))
-    kernel = partial(_kernel, page=page, n_pages=n_pages, n_kv=n_kv, d=d, t=t, g=g, t_new=t_new, r=r,
+    kernel = partial(_kernel, page=page, n_pages=n_pages, n_kv=n_kv, d=d, t=t, g=g, t_new=t_new, m_rows=m_rows, r=r,
                      n_blocks=n_blocks, qsa=qsa)
 
     def seq(shape):  # sequence b's block
@@ -168,12 +167,13 @@ def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, *, r: i
                    jax.ShapeDtypeStruct((b, n_kv, n_splits, m_rows), f32),
                    jax.ShapeDtypeStruct((b, n_kv, n_splits, m_rows, d), f32)),
         grid=(b, n_kv, n_splits),
-        in_specs=[seq(page_table.shape[1:]), seq((m_rows,)), seq(chosen.shape[1:]),
-                  pl.BlockSpec((None, None, m_rows, d), lambda i, h, c: (i, h, 0, 0)), whole(flat), whole(flat)],
+        in_specs=[seq(page_table.shape[1:]), seq((t_new,)), seq(chosen.shape[1:]), seq((t_new * nh * d,)),
+                  whole(flat), whole(flat)],
         out_specs=(out((m_rows,)), out((m_rows,)), out((m_rows, d))),
         compiler_params=compiler_params(interpret, t.warps, t.stages),
         interpret=interpret, name="attention_decode",
-    )(page_table.astype(jnp.int32), pos, chosen, qm, k_pages.reshape(flat), v_pages.reshape(flat))
+    )(page_table.astype(jnp.int32), positions.astype(jnp.int32), chosen, q.astype(k_pages.dtype).reshape(b, -1),
+      k_pages.reshape(flat), v_pages.reshape(flat))
     # the splits' softmaxes as one: weights exp(m_c - max_c m_c); a row that saw no key gives 0
     top = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))

@@ -42,21 +42,30 @@ def block_keys(p: Indexer, cfg: ModelConfig, raw_keys: Array, n_blocks: int) -> 
     return apply_rope(kb[:, None, :], cos, sin)[:, 0, :]
 
 
-def block_choice(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array) -> Array:
-    """Bool [T, n_blocks]: the complete blocks the query at position q_pos[t] keeps.
-
-    A query at position p sees nb = (p + 1) // r complete blocks. Scores are sum_h relu(q_h . k_b) / sqrt(dI);
-    the top min(block_topk, nb) blocks are kept. Equal scores (common: a block whose every head product is
-    negative scores exactly 0) go to the earlier block; the reference's torch.topk breaks such ties in no
-    documented order."""
-    r = cfg.indexer_compress_ratio
-    n_blocks = kb.shape[0]
-    visible = (q_pos + 1) // r  # complete blocks visible to each query
+def block_scores(cfg: ModelConfig, q_index: Array, kb: Array) -> Array:
+    """Float32 [T, n_blocks]: each query's score of each block, sum_h relu(q_h . k_b) / sqrt(dI)."""
     scores = matmul("thd,bd->thb", q_index, kb.astype(q_index.dtype))  # bf16: exact products, float32 sums
-    scores = jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
+    return jnp.sum(jax.nn.relu(scores), axis=1) / (cfg.indexer_head_dim ** 0.5)
+
+
+def choose_blocks(cfg: ModelConfig, scores: Array, q_pos: Array) -> Array:
+    """Bool [T, n_blocks] from the scores [T, n_blocks] (block_scores): the complete blocks the query at position
+    q_pos[t] keeps.
+
+    A query at position p sees nb = (p + 1) // r complete blocks and keeps the top min(block_topk, nb) of them.
+    Equal scores (common: a block whose every head product is negative scores exactly 0) go to the earlier
+    block; the reference's torch.topk breaks such ties in no documented order."""
+    n_blocks = scores.shape[-1]
+    visible = (q_pos + 1) // cfg.indexer_compress_ratio  # complete blocks visible to each query
     valid = jnp.arange(n_blocks)[None, :] < visible[:, None]
     k = min(cfg.block_topk, n_blocks)
     return top_k_mask(jnp.where(valid, scores, -jnp.inf), k) & valid
+
+
+def block_choice(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array) -> Array:
+    """Bool [T, n_blocks]: the complete blocks the query at position q_pos[t] keeps (choose_blocks of
+    block_scores)."""
+    return choose_blocks(cfg, block_scores(cfg, q_index, kb), q_pos)
 
 
 def selection_mask(cfg: ModelConfig, q_index: Array, kb: Array, q_pos: Array, n_keys: int) -> Array:
