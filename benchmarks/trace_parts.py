@@ -167,6 +167,17 @@ def steady_state(events: list[dict]) -> dict | None:
     return {"steps": n, "period_ms": (t1 - t0) / 1e3 / n, "busy_ms": busy_us(inside) / 1e3 / n}
 
 
+def _attribute(e: dict, scopes: dict[str, str]) -> tuple[str | None, str]:
+    """A kernel event's scope (None if its op has none) and part; FFI kernels by their names (KERNEL_PARTS)."""
+    args = e.get("args", {})
+    op = args.get("hlo_op") or args.get("long_name") or e["name"]
+    scope = scopes.get(op) or scopes.get(e["name"])
+    part = part_of(scope)
+    if part == "unattributed":
+        part = next((p for k, p in KERNEL_PARTS if k in e["name"]), part)
+    return scope, part
+
+
 def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> dict:
     """Per step: kernels, busy and span time, share of kernels inside CUDA graphs, and time by part."""
     if not events:
@@ -175,12 +186,7 @@ def summarise(events: list[dict], steps: int, hlo_text: str | None = None) -> di
     by_part, n_part = collections.Counter(), collections.Counter()
     unknown = collections.Counter()
     for e in events:
-        args = e.get("args", {})
-        op = args.get("hlo_op") or args.get("long_name") or e["name"]
-        scope = scopes.get(op) or scopes.get(e["name"])
-        part = part_of(scope) if scopes else "all"
-        if part == "unattributed":
-            part = next((p for k, p in KERNEL_PARTS if k in e["name"]), part)
+        part = _attribute(e, scopes)[1] if scopes else "all"
         if part == "unattributed":
             unknown[e["name"][:80]] += e["dur"]
         by_part[part] += e["dur"]
@@ -207,12 +213,7 @@ def kernels_of(events: list[dict], steps: int, hlo_text: str, part: str) -> list
     scopes = scopes_of(hlo_text)
     time, count = collections.Counter(), collections.Counter()
     for e in events:
-        args = e.get("args", {})
-        op = args.get("hlo_op") or args.get("long_name") or e["name"]
-        scope = scopes.get(op) or scopes.get(e["name"])
-        got = part_of(scope)
-        if got == "unattributed":
-            got = next((p for k, p in KERNEL_PARTS if k in e["name"]), got)
+        scope, got = _attribute(e, scopes)
         if got != part:
             continue
         key = re.sub(r"layer_\d+", "layer_*", scope) if scope else e["name"][:80]

@@ -19,6 +19,7 @@ mode).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -57,12 +58,10 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], dtype, tiles: Tiles = Tiles()) -> bool:
+def takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], dtype) -> bool:
     """Whether the kernel computes this product: up to MAX_ROWS rows, K with a power-of-two factor of at least
     64 (the inner loop's step), N at least 16, bf16 or float32."""
-    rows = 1
-    for s in x_shape[:-1]:
-        rows *= s
+    rows = math.prod(x_shape[:-1])
     k, n = x_shape[-1], w_shape[0]
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) and 0 < rows <= MAX_ROWS
             and w_shape[1] == k and (k & -k) >= 64 and n >= 16)
