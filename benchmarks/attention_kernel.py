@@ -8,7 +8,12 @@ Two scopes, L attention layers chained in one jitted program (each layer with it
 the cache donated and fed back as the engine does):
   * core: the attention alone, from the roped queries and QSA's block choice to the output (the kernel at
     several tilings, against XLA's gather of the pages and `attend` under the same mask);
-  * layer: the whole attention layer (projections, cache writes, QSA's indexer and choice), kernel on and off.
+  * layer: the whole attention layer (projections, cache writes, QSA's indexer and choice), kernel on and off,
+    and the kernel path with QSA's scores in XLA (attention.QSA_SCORES_KERNEL off);
+  * qsa: QSA's block choice from the index queries and the cached raw keys: XLA's (block keys pooled from the
+    pages, scored, ranked) against attention_prep.block_scores (at --blocks per program) and XLA's ranking.
+    Its numerics: the chosen blocks of each (bf16) path that differ from XLA's in bf16 and from XLA's in
+    float32 (the same inputs upcast), as a fraction of the blocks chosen.
 Per layer: the summed GPU kernel time from a profiler trace, the kernels per layer, the bytes the scope must read
 (the KV rows of the sequence's tokens; plus the weights and the indexer keys for the layer) and the fraction of
 4.2 TB/s. It first checks the kernel's numerics against XLA's on the device.
@@ -43,7 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default=TILES,
                     help="comma-separated kernel tilings block:split:warps:stages for the core scope (split 0: "
                          "the kernel's choice; the layer scope uses the Tiles default)")
-    ap.add_argument("--scopes", default="core,layer", help="comma-separated: core, layer")
+    ap.add_argument("--scopes", default="core,layer", help="comma-separated: core, layer, qsa")
+    ap.add_argument("--blocks", default="8", help="comma-separated QSA blocks per program of the qsa scope's kernel")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -54,6 +60,7 @@ def main(argv=None) -> int:
 
     from jaxflash import presets
     from jaxflash.kernels import attention_decode as ad
+    from jaxflash.kernels import attention_prep as ap
     from jaxflash.kernels import on_gpu
     from jaxflash.model import attention as attn
     from jaxflash.model import qsa
@@ -132,28 +139,72 @@ def main(argv=None) -> int:
                 return outs, kvs
             return Stepper(jax.jit(run, donate_argnums=0), fresh())
 
-        def layer_program(kernel):
+        def layer_program(kernel, qsa_kernel=True):
             def run(kvs, ps, x):
                 new = []
-                for i in range(L):
-                    y, kv = attn.attention(ps[i], cfg, x, batch, kvs[i], kernel)
-                    x = x + y
-                    new.append(kv)
+                keep, attn.QSA_SCORES_KERNEL = attn.QSA_SCORES_KERNEL, qsa_kernel  # read while tracing
+                try:
+                    for i in range(L):
+                        y, kv = attn.attention(ps[i], cfg, x, batch, kvs[i], kernel)
+                        x = x + y
+                        new.append(kv)
+                finally:
+                    attn.QSA_SCORES_KERNEL = keep
                 return x, new
             return Stepper(jax.jit(run, donate_argnums=0), fresh(), layers, x)
 
+        def qsa_choice(p, ik, iq, kernel, blocks=ap.BLOCKS):
+            if kernel:
+                scores = ap.block_scores(cfg, iq, ik, table, p.indexer.k_norm, blocks=blocks)
+                return jax.vmap(lambda s_b, pos_b: qsa.choose_blocks(cfg, s_b, pos_b))(scores, batch.positions)
+            return jax.vmap(lambda q_b, pos_b, row: qsa.block_choice(
+                cfg, q_b, qsa.block_keys(p.indexer, cfg, attn.read_pages(ik, row), n_blocks), pos_b))(
+                    iq, batch.positions, table)
+
+        def qsa_program(kernel, blocks=ap.BLOCKS):
+            def run(kvs):
+                return [qsa_choice(layers[i], kvs[i].index_keys, qi, kernel, blocks) for i in range(L)], kvs
+            return Stepper(jax.jit(run, donate_argnums=0), fresh())
+
         programs = []
+        if "qsa" in args.scopes.split(","):
+            qsa_bytes = index_bytes + b * t * ni * di * 2
+            programs += [("qsa", "xla", lambda: qsa_program(False), qsa_bytes)]
+            programs += [("qsa", f"kernel-{bl}", lambda bl=int(bl): qsa_program(True, bl), qsa_bytes)
+                         for bl in args.blocks.split(",")]
+            # numerics: chosen blocks of each path against XLA's in bf16 and in float32 (inputs upcast)
+            p32 = jax.tree.map(lambda a: a.astype(jnp.float32), layers[0])
+            ik0 = caches0[0].index_keys
+            ref32 = np.asarray(qsa_choice(p32, ik0.astype(jnp.float32), qi.astype(jnp.float32), False))
+            ref16 = np.asarray(qsa_choice(layers[0], ik0, qi, False))
+            got = np.asarray(qsa_choice(layers[0], ik0, qi, True))
+            kept = max(1, int(ref32.sum()))
+            flips = {"kernel_vs_xla": int((got != ref16).sum()), "kernel_vs_f32": int((got != ref32).sum()),
+                     "xla_vs_f32": int((ref16 != ref32).sum()), "chosen_f32": kept}
+            res["numerics"].append({"case": case, "scope": "qsa", "variant": "kernel", "choice_flips": flips})
+            log(f"  qsa choice: {kept} blocks chosen (float32); differing: kernel vs XLA {flips['kernel_vs_xla']}, "
+                f"kernel vs float32 {flips['kernel_vs_f32']}, XLA (bf16) vs float32 {flips['xla_vs_f32']}")
         if "core" in args.scopes.split(","):
             programs += [("core", "xla", lambda: core_program(None), kv_bytes)]
             programs += [("core", "kernel-" + ":".join(str(v) for v in vars(tl).values()),
                           lambda tl=tl: core_program(tl), kv_bytes) for tl in tilings]
         if "layer" in args.scopes.split(","):
-            programs += [("layer", "xla", lambda: layer_program(False), kv_bytes + weight_bytes + index_bytes),
-                         ("layer", "kernel", lambda: layer_program(True), kv_bytes + weight_bytes + index_bytes)]
+            layer_bytes = kv_bytes + weight_bytes + index_bytes
+            programs += [("layer", "xla", lambda: layer_program(False), layer_bytes),
+                         ("layer", "kernel", lambda: layer_program(True), layer_bytes),
+                         ("layer", "kernel-xla-qsa", lambda: layer_program(True, False), layer_bytes)]
         # numerics of one layer on the same input (chained layers would compound both paths' roundings)
         one = jax.jit(lambda p, xx, bt, kv, kernel: attn.attention(p, cfg, xx, bt, kv, kernel)[0], static_argnums=4)
-        err = rel_err(one(layers[0], x, batch, caches0[0], True), one(layers[0], x, batch, caches0[0], False))
-        res["numerics"].append({"case": case, "scope": "layer", "variant": "kernel", "rel_err": err})
+        y_kernel, y_xla = one(layers[0], x, batch, caches0[0], True), one(layers[0], x, batch, caches0[0], False)
+        res["numerics"].append({"case": case, "scope": "layer", "variant": "kernel",
+                                "rel_err": rel_err(y_kernel, y_xla)})
+        # and both against XLA's path in float32 on the same (upcast) input: which rounds further from it
+        up32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+        y32 = one(up32(layers[0]), up32(x), batch, up32(caches0[0]), False)
+        res["numerics"] += [{"case": case, "scope": "layer", "variant": "kernel vs float32",
+                             "rel_err": rel_err(y_kernel, y32)},
+                            {"case": case, "scope": "layer", "variant": "xla vs float32",
+                             "rel_err": rel_err(y_xla, y32)}]
         xla_core = None
         for scope, name, make, nbytes in programs:
             try:
@@ -176,12 +227,12 @@ def main(argv=None) -> int:
             line = f"  {scope:5s} {name:22s}: wall {wall:8.2f} us/layer"
             if gpu:
                 kus, n, top = trace_kernels_by_name(fn, (), max(2, args.reps // 4),
-                                                    top=40 if scope == "layer" else 14)
+                                                    top=40 if scope != "core" else 14)
                 run.update(kernel_us_per_layer=kus / L, kernels_per_layer=n / L,
                            fraction_of_hbm=nbytes / (kus / L * 1e-6) / COPY_CEILING)
                 line += (f", GPU {kus / L:8.2f} us/layer in {n / L:5.1f} kernels; {nbytes / 1e6:7.2f} MB -> floor "
                          f"{run['floor_us']:6.2f} us, {run['fraction_of_hbm']:.1%} of 4.2 TB/s")
-                if scope == "layer":
+                if scope != "core":
                     run["top_kernels_us_per_layer"] = [(k, us / L) for k, us in top]
                     line += "\n      " + ", ".join(f"{k} {us / L:.2f}" for k, us in top)
             log(line)
@@ -189,7 +240,8 @@ def main(argv=None) -> int:
             del fn
         xla_core = None
         log("  numerics vs XLA (max |diff| / max |XLA|): "
-            + ", ".join(f"{n['scope']} {n['variant']} {n['rel_err']:.1e}" for n in res["numerics"] if n["case"] == case))
+            + ", ".join(f"{n['scope']} {n['variant']} {n['rel_err']:.1e}" for n in res["numerics"]
+                        if n["case"] == case and "rel_err" in n))
         del caches0
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -122,11 +122,12 @@ def twin_scores(cfg, indexer, iq, ik, table):
 
 
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("t,page,max_pages", [(1, 8, 9), (3, 6, 11), (1, 8, 40)])
-def test_block_scores_match_twin(dt, t, page, max_pages):
-    """Pages of 8 (whole blocks of 4) and 6 (blocks across pages); 18, 16 and 80 blocks (80: two programs of
-    BLOCKS, the second partly past the table). Every block is compared, stale ones included: both read the same
-    rows."""
+@pytest.mark.parametrize("t,page,max_pages,blocks", [(1, 8, 9, ap.BLOCKS), (3, 6, 11, ap.BLOCKS), (1, 8, 40, 32),
+                                                     (4, 8, 9, 1)])
+def test_block_scores_match_twin(dt, t, page, max_pages, blocks):
+    """Pages of 8 (whole blocks of 4) and 6 (blocks across pages); 18, 16 and 80 blocks, in programs of BLOCKS,
+    32 (80 blocks: the third program partly past the table) and 1. Every block is compared, stale ones
+    included: both read the same rows."""
     cfg = config(4, 3)
     rng = np.random.default_rng(t * 100 + page + max_pages)
     ni, di = cfg.indexer_n_heads, cfg.indexer_head_dim
@@ -138,9 +139,17 @@ def test_block_scores_match_twin(dt, t, page, max_pages):
     iq = jnp.asarray(rng.normal(size=(3, t, ni, di)), dt)
     indexer = qsa.Indexer(index_qk_proj=jnp.zeros(((ni + 1) * di, cfg.hidden_size), dt),
                           q_norm=jnp.zeros(di, dt), k_norm=jnp.asarray(rng.normal(size=di) * 0.5, dt))
-    got = ap.block_scores(cfg, iq, ik, table, indexer.k_norm)
+    got = ap.block_scores(cfg, iq, ik, table, indexer.k_norm, blocks=blocks)
     ref = twin_scores(cfg, indexer, iq, ik, table)
     assert got.shape == ref.shape == (3, t, max_pages * page // cfg.indexer_compress_ratio)
     assert got.dtype == jnp.float32
     assert rel_err(got, ref) < TOL[dt]
     assert np.asarray(ref > 0).mean() > 0.5  # relu keeps most scores: the comparison is not of zeros
+
+
+def test_block_scores_take_power_of_two_programs():
+    cfg = config(4, 2)
+    iq = jnp.zeros((1, 1, 2, cfg.indexer_head_dim))
+    with pytest.raises(ValueError, match="power of two"):
+        ap.block_scores(cfg, iq, jnp.zeros((4, 8, cfg.indexer_head_dim)), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros(cfg.indexer_head_dim), blocks=6)

@@ -1,8 +1,9 @@
 """The attention layer's work around the paged attention kernel in a decode or verify step, in two kernels per
 layer (Pallas; Triton backend on a GPU) where XLA spent about twenty small ones.
 
-`new_rows`, one program per new token, takes the rows of the stacked q|k|v projection (and of QSA's index
-projection) where the GEMV wrote them and does what jaxflash.model.attention does for them before attending:
+`new_rows`, with programs of (new token, Q_HEADS of its query heads | its K and V | its index queries), takes
+the rows of the stacked q|k|v projection (and of QSA's index projection) where the GEMV wrote them and does
+what jaxflash.model.attention does for them before attending:
   * the q/k RMSNorms (zero-centred weights) and the partial NeoX RoPE of the queries and keys, and the same for
     QSA's index queries;
   * the writes of the token's K, V and raw index key into its sequence's pages, in place (the page buffers are
@@ -14,18 +15,21 @@ with the permuted weight is the normed row permuted.
 `block_scores`, programs of (sequence, BLOCKS QSA blocks), scores every complete block of a sequence's pages
 as qsa.block_choice does: each block's raw keys pooled (mean), normed and roped at the block's first position,
 then sum_h relu(q_h . k_b) / sqrt(dI) for each query of the step. Pooled block keys are not kept anywhere, so
-this reads the sequence's raw keys once per step (1 MB of the 4096-key bucket at full size) in one kernel. The
-block choice itself (rank, top-k, the visible blocks) stays in XLA: one fusion.
+this reads the sequence's raw keys once per step (1 MB of the 4096-key bucket at full size) in one kernel. A
+key is loaded once, as three column tiles (RoPE's two halves and the rest), so the rotate-half pairs tiles
+instead of loading the row again. Few blocks per program give many programs (each a short chain of dependent
+loads: page id, then keys). The block choice itself (rank, top-k, the visible blocks) stays in XLA: one fusion.
 
 Both round where the model rounds (the norms and RoPE in the compute dtype, as norms.rms_norm and
 rope.apply_rope do). Their pure-jnp twins are the model's own code (attention.attention's XLA path,
 qsa.block_keys and qsa.block_scores): the CPU path and the tests' oracle (the tests run these kernels in
 interpret mode). Triton loads need power-of-two shapes: head counts are padded with masked rows.
 
-Not wired into attention.attention yet: on the H100, new_rows takes 7.4 us per layer, but block_scores 79 us
-(16 programs at batch 1 and 4096 keys, each a chain of gathered loads: too few programs), and the layer's QSA
-choice differed from XLA's at 4000 tokens in bf16 (benchmarks/RESULTS.md, "Kernels around the attention and a
-product kernel, measured").
+attention.attention's kernel path (decode and verify steps on a GPU) runs both (block_scores while
+attention.QSA_SCORES_KERNEL). On the H200, per attention layer: new_rows 3.4 us, block_scores 4.1 us at batch 1
+over a 4096-key bucket (11.3 at batch 8). In bf16, block_scores chooses what XLA's scores choose from the same
+queries; near a tie both differ from a float32 computation in a few of 512 blocks (benchmarks/RESULTS.md, "The
+attention layer's new rows and QSA scores in kernels").
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ..config import ModelConfig
-from . import compiler_params, dot, on_gpu
+from . import compiler_params, on_gpu
 
 Array = jax.Array
-BLOCKS = 64  # QSA blocks per program of block_scores
+Q_HEADS = 4  # query heads per program of new_rows (a token's heads are spread over programs)
+BLOCKS = 4  # QSA blocks per program of block_scores (256 programs at batch 1 over a 4096-key bucket; H100: 3.6 us
+# per layer there, 4.2 at 8 blocks, 6.2 at 16)
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -75,10 +81,10 @@ def _norm_rope(load, weight_ref, freq_ref, position, d: int, rd: int, eps: float
 def _rows_kernel(proj_ref, iproj_ref, pos_ref, live_ref, table_ref, q_norm_ref, k_norm_ref, iq_norm_ref, freq_ref,
                  k_ref, v_ref, ik_ref, q_out_ref, iq_out_ref, k_out_ref, v_out_ref, ik_out_ref, *, nh: int, nkv: int,
                  d: int, ni: int, di: int, rd: int, eps: float, t_new: int, page: int, n_pages: int,
-                 max_pages: int, indexer: bool):
+                 max_pages: int, indexer: bool, q_heads: int):
     del k_ref, v_ref, ik_ref  # aliased to k_out_ref, v_out_ref, ik_out_ref: written in place
     dt = q_out_ref.dtype
-    n = pl.program_id(0)  # token row b T + t
+    n, part = pl.program_id(0), pl.program_id(1)  # token row b T + t; which heads
     b = n // t_new
     pos = pos_ref[n]
     width = nh * 2 * d + 2 * nkv * d  # the projection row: per head [query | gate], then k, then v
@@ -90,29 +96,43 @@ def _rows_kernel(proj_ref, iproj_ref, pos_ref, live_ref, table_ref, q_norm_ref, 
     keep = (live_ref[n] != 0) & (col < max_pages) & (slot >= 0) & (slot < n_pages)
     cache_row = jnp.clip(slot, 0, n_pages - 1) * page + pos % page
 
-    hq = jnp.arange(_pow2(nh), dtype=jnp.int32)[:, None]
-    q = _norm_rope(lambda c: proj_ref[n * width + jnp.minimum(hq, nh - 1) * 2 * d + c], q_norm_ref, freq_ref, pos,
-                   d, rd, eps, dt)
-    plt.store(q_out_ref.at[n * nh * d + hq * d + cols], q, mask=(hq < nh) & (cols < d))
+    n_qb = -(-nh // q_heads)  # programs of q_heads query heads each; then one for K and V, one for QSA's queries
 
-    hk = jnp.arange(_pow2(nkv), dtype=jnp.int32)[:, None]
-    at_k = n * width + nh * 2 * d + jnp.minimum(hk, nkv - 1) * d
-    k = _norm_rope(lambda c: proj_ref[at_k + c], k_norm_ref, freq_ref, pos, d, rd, eps, dt)
-    in_cache = (cache_row * nkv + hk) * d + cols
-    write = keep & (hk < nkv) & (cols < d)
-    plt.store(k_out_ref.at[in_cache], k.astype(k_out_ref.dtype), mask=write)
-    v = proj_ref[at_k + nkv * d + cols]
-    plt.store(v_out_ref.at[in_cache], v.astype(v_out_ref.dtype), mask=write)
+    @pl.when(part < n_qb)
+    def _queries():
+        hq = part * q_heads + jnp.arange(q_heads, dtype=jnp.int32)[:, None]
+        q = _norm_rope(lambda c: proj_ref[n * width + jnp.minimum(hq, nh - 1) * 2 * d + c], q_norm_ref, freq_ref,
+                       pos, d, rd, eps, dt)
+        plt.store(q_out_ref.at[n * nh * d + hq * d + cols], q, mask=(hq < nh) & (cols < d))
+
+    @pl.when(part == n_qb)
+    def _keys_values():
+        hk = jnp.arange(_pow2(nkv), dtype=jnp.int32)[:, None]
+        at_k = n * width + nh * 2 * d + jnp.minimum(hk, nkv - 1) * d
+        k = _norm_rope(lambda c: proj_ref[at_k + c], k_norm_ref, freq_ref, pos, d, rd, eps, dt)
+        in_cache = (cache_row * nkv + hk) * d + cols
+        write = keep & (hk < nkv) & (cols < d)
+        plt.store(k_out_ref.at[in_cache], k.astype(k_out_ref.dtype), mask=write)
+        v = proj_ref[at_k + nkv * d + cols]
+        plt.store(v_out_ref.at[in_cache], v.astype(v_out_ref.dtype), mask=write)
+        if indexer:
+            ci = jnp.arange(di, dtype=jnp.int32)[None, :]
+            raw = iproj_ref[n * (ni + 1) * di + ni * di + ci]
+            plt.store(ik_out_ref.at[cache_row * di + ci], raw.astype(ik_out_ref.dtype), mask=keep & (ci < di))
 
     if indexer:
-        iwidth = (ni + 1) * di
-        ci = jnp.arange(di, dtype=jnp.int32)[None, :]
-        hi = jnp.arange(_pow2(ni), dtype=jnp.int32)[:, None]
-        iq = _norm_rope(lambda c: iproj_ref[n * iwidth + jnp.minimum(hi, ni - 1) * di + c], iq_norm_ref, freq_ref,
-                        pos, di, rd, eps, dt)
-        plt.store(iq_out_ref.at[n * ni * di + hi * di + ci], iq, mask=(hi < ni) & (ci < di))
-        raw = iproj_ref[n * iwidth + ni * di + ci]
-        plt.store(ik_out_ref.at[cache_row * di + ci], raw.astype(ik_out_ref.dtype), mask=keep & (ci < di))
+        @pl.when(part == n_qb + 1)
+        def _index_queries():
+            ci = jnp.arange(di, dtype=jnp.int32)[None, :]
+            hi = jnp.arange(_pow2(ni), dtype=jnp.int32)[:, None]
+            iq = _norm_rope(lambda c: iproj_ref[n * (ni + 1) * di + jnp.minimum(hi, ni - 1) * di + c], iq_norm_ref,
+                            freq_ref, pos, di, rd, eps, dt)
+            plt.store(iq_out_ref.at[n * ni * di + hi * di + ci], iq, mask=(hi < ni) & (ci < di))
+
+
+def takes(k_pages: Array) -> bool:
+    """Whether new_rows takes a KV cache of this size (it indexes the pages in int32)."""
+    return k_pages.size < 2 ** 31
 
 
 def new_rows(cfg: ModelConfig, proj: Array, index_proj: Array | None, positions: Array, valid: Array,
@@ -123,7 +143,7 @@ def new_rows(cfg: ModelConfig, proj: Array, index_proj: Array | None, positions:
     positions [B, T] (valid [B, T]: padding rows write nothing) over page_table [B, max_pages].
     Returns (q [B, T, n_heads, d] normed and roped, the index queries [B, T, nI, dI] or None, and k_pages,
     v_pages, index_pages with the tokens' rows written, as attention.write_pages writes them)."""
-    if k_pages.size >= 2 ** 31:
+    if not takes(k_pages):
         raise ValueError(f"a KV cache of {k_pages.size} entries: the kernel indexes it in int32")
     interpret = not on_gpu() if interpret is None else interpret
     return _new_rows(cfg, proj, index_proj, positions, valid, page_table, q_norm, k_norm, index_q_norm, k_pages,
@@ -143,20 +163,23 @@ def _new_rows(cfg: ModelConfig, proj, index_proj, positions, valid, page_table, 
         index_proj, index_q_norm, index_pages = proj, q_norm, jnp.zeros((1,), k_pages.dtype)
     n_pages, page = k_pages.shape[:2]
     rows = b * t_new
+    q_heads = min(Q_HEADS, _pow2(nh))
     kernel = partial(_rows_kernel, nh=nh, nkv=nkv, d=d, ni=ni, di=di, rd=cfg.rotary_dim, eps=cfg.rms_norm_eps,
-                     t_new=t_new, page=page, n_pages=n_pages, max_pages=page_table.shape[1], indexer=indexer)
+                     t_new=t_new, page=page, n_pages=n_pages, max_pages=page_table.shape[1], indexer=indexer,
+                     q_heads=q_heads)
+    parts = -(-nh // q_heads) + 1 + indexer
     args = (proj.reshape(-1), index_proj.reshape(-1), positions.astype(jnp.int32).reshape(-1),
             valid.astype(jnp.int32).reshape(-1), page_table.astype(jnp.int32).reshape(-1), q_norm, k_norm,
             index_q_norm, inv_freq(cfg), k_pages.reshape(-1), v_pages.reshape(-1), index_pages.reshape(-1))
 
     def whole(a):
-        return pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
 
     outs = (jax.ShapeDtypeStruct((rows * nh * d,), proj.dtype), jax.ShapeDtypeStruct((rows * ni * di,), proj.dtype),
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[-3:]))
     q, iq, k_pages_new, v_pages_new, index_new = pl.pallas_call(
-        kernel, out_shape=outs, grid=(rows,), in_specs=[whole(a) for a in args],
-        out_specs=tuple(pl.BlockSpec(o.shape, lambda i: (0,)) for o in outs),
+        kernel, out_shape=outs, grid=(rows, parts), in_specs=[whole(a) for a in args],
+        out_specs=tuple(whole(o) for o in outs),
         input_output_aliases={9: 2, 10: 3, 11: 4},
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="attention_new_rows",
@@ -167,64 +190,89 @@ def _new_rows(cfg: ModelConfig, proj, index_proj, positions, valid, page_table, 
             index_new)
 
 
+def _column_groups(di: int, rd: int) -> tuple[tuple[int, int], ...]:
+    """A key's columns as (start, width): RoPE's first half, its second half, and the columns it leaves alone.
+    Loaded as three tiles, the rotate-half pairs the first two without a second load."""
+    return (0, rd // 2), (rd // 2, rd // 2), (rd, di - rd)
+
+
 def _scores_kernel(iq_ref, ik_ref, table_ref, k_norm_ref, freq_ref, out_ref, *, r: int, ni: int, di: int,
-                   rd: int, eps: float, t_new: int, rows: int, page: int, n_pages: int, max_pages: int):
+                   rd: int, eps: float, t_new: int, rows: int, blocks: int, page: int, n_pages: int,
+                   max_pages: int):
     f32 = jnp.float32
     dt = iq_ref.dtype
     b, c = pl.program_id(0), pl.program_id(1)
-    blk = c * BLOCKS + jnp.arange(BLOCKS, dtype=jnp.int32)[:, None]  # [BLOCKS, 1]: this program's blocks
+    blk = c * blocks + jnp.arange(blocks, dtype=jnp.int32)[:, None]  # [blocks, 1]: this program's blocks
+    groups = []  # per column group: the clamped column indices [1, w] (w a power of two) and which are real
+    for start, width in _column_groups(di, rd):
+        lane = jnp.arange(_pow2(max(width, 1)), dtype=jnp.int32)[None, :]
+        groups.append((start + jnp.minimum(lane, max(width, 1) - 1), lane < width))
 
-    def pooled(cols):
-        """The mean of each block's r raw keys (float32) at the columns `cols`, rounded as qsa.block_keys rounds.
-        Blocks past the page table read some page: their scores are garbage that the block choice never keeps."""
-        acc = jnp.zeros((BLOCKS, di), f32)
-        for i in range(r):
-            s = blk * r + i
-            slot = jnp.clip(table_ref[b * max_pages + jnp.minimum(s // page, max_pages - 1)], 0, n_pages - 1)
-            acc = acc + ik_ref[(slot * page + s % page) * di + cols].astype(f32)
-        return (acc / r).astype(dt)
+    # each block's r raw keys, one load per key and column group; blocks past the page table read some page:
+    # their scores are garbage that the block choice never keeps
+    acc = [jnp.zeros((blocks, cols.shape[1]), f32) for cols, _ in groups]
+    for i in range(r):
+        s = blk * r + i
+        slot = jnp.clip(table_ref[b * max_pages + jnp.minimum(s // page, max_pages - 1)], 0, n_pages - 1)
+        at = (slot * page + s % page) * di
+        acc = [a + ik_ref[at + cols].astype(f32) for a, (cols, _) in zip(acc, groups)]
+    # mean (rounded as qsa.block_keys rounds), RMSNorm over the real columns, RoPE at the block's first position
+    pooled = [jnp.where(real, (a / r).astype(dt).astype(f32), 0.0) for a, (_, real) in zip(acc, groups)]
+    rs = jax.lax.rsqrt(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in pooled) / di + eps)
+    lo, hi, rest = [(x * rs * (1.0 + k_norm_ref[cols].astype(f32))).astype(dt) for x, (cols, _) in zip(pooled, groups)]
+    angle = (blk * r).astype(f32) * freq_ref[groups[0][0]]  # [blocks, rd / 2]
+    cos, sin = jnp.cos(angle).astype(dt), jnp.sin(angle).astype(dt)
+    keys = [lo * cos + -hi * sin, hi * cos + lo * sin, rest]
 
-    kb = _norm_rope(pooled, k_norm_ref, freq_ref, blk * r, di, rd, eps, dt)  # [BLOCKS, dI]
-    t = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    ci = jnp.arange(di, dtype=jnp.int32)[None, :]
-    s = jnp.zeros((rows, BLOCKS), f32)
-    for h in range(ni):
-        q = iq_ref[((b * t_new + jnp.minimum(t, t_new - 1)) * ni + h) * di + ci]  # [rows, dI]; rows >= T repeat
-        s = s + jnp.maximum(dot(q, kb, 1), 0.0)
-    out_ref[...] = s * (di ** -0.5)
+    # sum_h relu(q_h . k_b) / sqrt(dI) for each query row (bf16 products are exact in float32)
+    t_row = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    out = jnp.zeros((rows, blocks), f32)
+    for t in range(t_new):
+        st = jnp.zeros((blocks,), f32)
+        for h in range(ni):
+            at = ((b * t_new + t) * ni + h) * di
+            dots = [jnp.sum(iq_ref[at + cols].astype(f32) * jnp.where(real, k.astype(f32), 0.0), axis=1)
+                    for k, (cols, real) in zip(keys, groups)]
+            st = st + jnp.maximum(dots[0] + dots[1] + dots[2], 0.0)
+        out = jnp.where(t_row == t, st[None, :], out)
+    out_ref[...] = out / (di ** 0.5)
 
 
 def block_scores(cfg: ModelConfig, index_q: Array, index_pages: Array, page_table: Array, k_norm: Array, *,
-                 interpret: bool | None = None, warps: int = 4) -> Array:
+                 interpret: bool | None = None, warps: int = 4, blocks: int = BLOCKS) -> Array:
     """QSA's score of every complete block of r keys of each sequence's pages for each of its queries:
     index_q [B, T, nI, dI] (normed, roped: new_rows), index_pages [P, page, dI] the raw keys, page_table
     [B, max_pages], k_norm the indexer's key norm. Returns float32 [B, T, max_pages page / r], what
     qsa.block_scores gives for qsa.block_keys of the sequence's pages (blocks past a sequence's length score
-    its stale keys; the choice masks them)."""
+    its stale keys; the choice masks them). blocks: QSA blocks per program (a power of two)."""
+    if blocks < 1 or blocks & (blocks - 1):
+        raise ValueError(f"blocks={blocks}: a power of two (a Triton tile)")
     interpret = not on_gpu() if interpret is None else interpret
-    return _block_scores(cfg, index_q, index_pages, page_table, k_norm, interpret=interpret, warps=warps)
+    return _block_scores(cfg, index_q, index_pages, page_table, k_norm, interpret=interpret, warps=warps,
+                         blocks=blocks)
 
 
-@partial(jax.jit, static_argnames=("cfg", "interpret", "warps"))
-def _block_scores(cfg: ModelConfig, index_q, index_pages, page_table, k_norm, *, interpret: bool, warps: int):
+@partial(jax.jit, static_argnames=("cfg", "interpret", "warps", "blocks"))
+def _block_scores(cfg: ModelConfig, index_q, index_pages, page_table, k_norm, *, interpret: bool, warps: int,
+                  blocks: int):
     b, t_new, ni, di = index_q.shape
     n_pages, page = index_pages.shape[:2]
     r = cfg.indexer_compress_ratio
     n_blocks = page_table.shape[1] * page // r
-    programs = -(-n_blocks // BLOCKS)
-    rows = _pow2(t_new, 16)  # a tensor-core tile's least height
+    programs = -(-n_blocks // blocks)
+    rows = _pow2(t_new)
     kernel = partial(_scores_kernel, r=r, ni=ni, di=di, rd=cfg.rotary_dim, eps=cfg.rms_norm_eps, t_new=t_new,
-                     rows=rows, page=page, n_pages=n_pages, max_pages=page_table.shape[1])
+                     rows=rows, blocks=blocks, page=page, n_pages=n_pages, max_pages=page_table.shape[1])
     args = (index_q.reshape(-1), index_pages.reshape(-1), page_table.astype(jnp.int32).reshape(-1), k_norm,
             inv_freq(cfg))
     scores = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((b, rows, programs * BLOCKS), jnp.float32), grid=(b, programs),
+        kernel, out_shape=jax.ShapeDtypeStruct((b, rows, programs * blocks), jnp.float32), grid=(b, programs),
         in_specs=[pl.BlockSpec(a.shape, lambda i, c: (0,)) for a in args],
-        out_specs=pl.BlockSpec((None, rows, BLOCKS), lambda i, c: (i, 0, c)),
+        out_specs=pl.BlockSpec((None, rows, blocks), lambda i, c: (i, 0, c)),
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="qsa_block_scores",
     )(*args)
     return scores[:, :t_new, :n_blocks]
 
 
-__all__ = ["BLOCKS", "block_scores", "inv_freq", "new_rows"]
+__all__ = ["BLOCKS", "block_scores", "inv_freq", "new_rows", "takes"]

@@ -1,12 +1,13 @@
 """Gated full attention with the QSA indexer (docs/model.md §8, §9): GQA, partial RoPE, q/k norms and a
 sigmoid output gate per (head, dim), over a paged KV cache.
 
-Decode and verify steps may attend in jaxflash.kernels.attention_decode, which reads K and V in their pages
-(`attention`'s `kernel`). Otherwise steps of at most ATTEND_Q_BLOCK new tokens per sequence (decode, speculative
+Decode and verify steps may run in kernels (`attention`'s `kernel`): jaxflash.kernels.attention_prep norms and
+ropes their new rows, writes them into the pages and scores QSA's blocks; jaxflash.kernels.attention_decode
+attends over the pages. Otherwise steps of at most ATTEND_Q_BLOCK new tokens per sequence (decode, speculative
 verify: inside CUDA graphs, which capture no while loops) score all their queries against the whole cache at
-once (`attend`). Longer prefill
-chunks run `attend_blocked`: query blocks against key blocks with an online softmax, skipping the key blocks
-past the block's last position, so that the scores never exceed [n_heads, q_block, k_block]."""
+once (`attend`). Longer prefill chunks run `attend_blocked`: query blocks against key blocks with an online
+softmax, skipping the key blocks past the block's last position, so that the scores never exceed
+[n_heads, q_block, k_block]."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..kernels import attention_decode
+from ..kernels import attention_decode, attention_prep
 from . import qsa
-from .base import (Array, TokenBatch, acc_dtype, linear_narrow, linear_split, matmul, pytree_dataclass,
+from .base import (Array, TokenBatch, acc_dtype, linear, linear_narrow, linear_split, matmul, pytree_dataclass,
                    stacked_part, up)
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
@@ -178,12 +179,15 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
     Longer: `attend_blocked` over q_block x k_block (default ATTEND_K_BLOCK) blocks, with QSA's selection made
     per query block: per sequence, besides its gathered cache rows, 2 * n_heads * q_block * k_block score floats
     and QSA's q_block * (indexer_n_heads * S / r floats + S bools), never [T, S].
-    kernel: steps of few tokens (attention_decode.takes) attend in jaxflash.kernels.attention_decode, which
-    reads K and V in their pages (compiled on a GPU, interpreted elsewhere); QSA's block choice stays here."""
+    kernel: steps of few tokens (attention_decode.takes) run `_attention_kernels`: the new rows and QSA's block
+    scores in jaxflash.kernels.attention_prep, the attention in jaxflash.kernels.attention_decode, which reads K
+    and V in their pages (compiled on a GPU, interpreted elsewhere); QSA's ranking of the blocks stays in XLA."""
     q_block = ATTEND_Q_BLOCK if q_block is None else q_block
     k_block = ATTEND_K_BLOCK if k_block is None else k_block
     b, t = x.shape[:2]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if kernel and attention_decode.takes(nh, nkv, hd, t, kv.k.dtype) and attention_prep.takes(kv.k):
+        return _attention_kernels(p, cfg, x, batch, kv)
     positions, valid, page_table = batch.positions, batch.valid, batch.page_table
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)  # [B, T, rd]
 
@@ -199,21 +203,53 @@ def attention(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch, kv: P
     if p.indexer is not None:
         q_index, raw = jax.vmap(lambda xx, c, s: qsa.queries_and_raw_keys(p.indexer, cfg, xx, c, s))(x, cos, sin)
         kv = PagedKV(kv.k, kv.v, write_pages(kv.index_keys, page_table, positions, valid, raw))
+    o = jax.vmap(partial(_attend_sequence, p, cfg, kv, t, q_block, k_block))(q, positions, valid, page_table,
+                                                                             q_index)
+    return _output(p, o, gate), kv
 
-    if kernel and attention_decode.takes(nh, nkv, hd, t, kv.k.dtype):
-        chosen = None
-        n_keys = page_table.shape[1] * kv.k.shape[1]
-        if q_index is not None and n_keys >= cfg.indexer_compress_ratio:  # else every key is in the tail
+
+def _output(p: Attention, o: Array, gate: Array) -> Array:
+    """o_proj of the attended values o [B, T, nh, d] times the sigmoid of the output gate [B, T, nh, d]."""
+    b, t = o.shape[:2]
+    o = o.reshape(b, t, -1)
+    o = o * jax.nn.sigmoid(up(gate.reshape(b, t, -1))).astype(o.dtype)
+    return linear_narrow(o, p.o_proj)
+
+
+# Whether the kernel path scores QSA's blocks in attention_prep.block_scores (one kernel) rather than in XLA
+# (pooling the raw keys into block keys, norm, RoPE and the product: three more kernels per layer). H200, one
+# layer at 112 tokens: 59.1 against 62.2 us (benchmarks/RESULTS.md).
+QSA_SCORES_KERNEL = True
+
+
+def _attention_kernels(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBatch,
+                       kv: PagedKV) -> tuple[Array, PagedKV]:
+    """attention() for a decode or verify step in kernels: attention_prep.new_rows norms and ropes the new rows
+    where the projection wrote them and writes their K, V and index keys into the pages; QSA's blocks are scored
+    in attention_prep.block_scores (QSA_SCORES_KERNEL) or XLA, and chosen in XLA (qsa.choose_blocks);
+    attention_decode attends over the pages."""
+    b, t = x.shape[:2]
+    nh, hd = cfg.num_attention_heads, cfg.head_dim
+    positions, page_table = batch.positions, batch.page_table
+    proj = linear(x, p.qkv_proj)
+    ix = p.indexer
+    q, q_index, k_pages, v_pages, index_pages = attention_prep.new_rows(
+        cfg, proj, None if ix is None else linear(x, ix.index_qk_proj), positions, batch.valid, page_table,
+        p.q_norm, p.k_norm, None if ix is None else ix.q_norm, kv.k, kv.v, kv.index_keys)
+    kv = PagedKV(k_pages, v_pages, index_pages)
+    chosen = None
+    n_keys = page_table.shape[1] * kv.k.shape[1]
+    if q_index is not None and n_keys >= cfg.indexer_compress_ratio:  # else every key is in the tail
+        if QSA_SCORES_KERNEL:
+            scores = attention_prep.block_scores(cfg, q_index, kv.index_keys, page_table, ix.k_norm)
+            chosen = jax.vmap(partial(qsa.choose_blocks, cfg))(scores, positions)
+        else:
             chosen = jax.vmap(lambda qi_b, pos_b, row: qsa.block_choice(cfg, qi_b, _block_keys(p, cfg, kv, row),
                                                                         pos_b))(q_index, positions, page_table)
-        o = attention_decode.paged_attention(q, kv.k, kv.v, page_table, positions, chosen,
-                                             r=cfg.indexer_compress_ratio)
-    else:
-        o = jax.vmap(partial(_attend_sequence, p, cfg, kv, t, q_block, k_block))(q, positions, valid, page_table,
-                                                                                 q_index)
-    o = o.reshape(b, t, nh * hd)
-    o = o * jax.nn.sigmoid(up(gate.reshape(b, t, nh * hd))).astype(o.dtype)
-    return linear_narrow(o, p.o_proj), kv
+    o = attention_decode.paged_attention(q, kv.k, kv.v, page_table, positions, chosen,
+                                         r=cfg.indexer_compress_ratio)
+    gate = proj[..., : nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:]
+    return _output(p, o, gate), kv
 
 
 def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_block: int, k_block: int, q_b: Array,
