@@ -90,10 +90,12 @@ def gpu_kernels(trace_dir: str, module: str | None = None) -> list[dict]:
 def scopes_of(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> its op_name scope path (under the name and its kernel spelling, dots as _).
     An instruction with no metadata of its own (a fusion XLA formed, a copy it inserted) takes the most
-    common scope among the instructions of the computation it calls, if any."""
+    common scope among the instructions of the computation it calls, if any. A fusion that holds a matrix
+    product (dot) takes the product's op_name, whatever its root (XLA names a GEMM fusion's metadata after its
+    last op, often a convert), so that products are listed as dot_general."""
     line_re = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
     comp_re = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
-    own, calls, members, comp = {}, {}, collections.defaultdict(list), None
+    own, calls, members, dots, comp = {}, {}, collections.defaultdict(list), {}, None
     for line in hlo_text.splitlines():
         if (c := comp_re.match(line)) and " = " not in line:
             comp = c.group(1)
@@ -101,14 +103,19 @@ def scopes_of(hlo_text: str) -> dict[str, str]:
         if not (m := line_re.match(line)):
             continue
         name, rest = m.group(1), m.group(2)
-        if op := re.search(r'op_name="([^"]*)"', rest):
+        op = re.search(r'op_name="([^"]*)"', rest)
+        if op:
             own[name] = op.group(1)
             if comp:
                 members[comp].append(op.group(1))
-        elif callee := re.search(r"calls=%?([\w.\-]+)", rest):
-            calls[name] = callee.group(1)
-    for name, callee in calls.items():
-        if members.get(callee):
+                if re.search(r"\sdot\(", rest):
+                    dots.setdefault(comp, op.group(1))
+        if callee := re.search(r"calls=%?([\w.\-]+)", rest):
+            calls[name] = (callee.group(1), op is not None)
+    for name, (callee, has_own) in calls.items():
+        if callee in dots:
+            own[name] = dots[callee]
+        elif not has_own and members.get(callee):
             scopes = collections.Counter(o.rsplit("/", 1)[0] for o in members[callee])
             own[name] = scopes.most_common(1)[0][0] + "/fusion"
     out = {}

@@ -46,9 +46,9 @@ def test_decode_step_time_splits_by_part(nvfp4_mtp, tmp_path):
 
 
 def test_part_labels():
-    assert trace_parts.part_of("jit(decode)/layer_3/moe/routed_experts/gather/custom_call") == \
+    assert trace_parts.part_of("j/layer_3/moe/routed_experts/gather/custom_call") == \
         "expert gather (PCIe)"
-    assert trace_parts.part_of("jit(decode)/layer_3/moe/routed_experts/gather") == "routed experts"  # a primitive
+    assert trace_parts.part_of("j/layer_3/moe/routed_experts/gather") == "routed experts"  # a primitive
     assert trace_parts.part_of("jit(decode)/layer_0/gdn/hyper_connection/dot_general") == "hyper-connections"
     assert trace_parts.part_of("jit(decode)/mtp/layer_0/attention/dot_general") == "MTP head"
     assert trace_parts.part_of(None) == "unattributed"
@@ -63,3 +63,27 @@ def test_ffi_kernels_are_named_parts():
     hlo = 'ENTRY %main () -> f32[] {\n  %loop_add_fusion.3 = f32[] fusion(), metadata={op_name="jit(decode)/layer_0/gdn/add"}\n}\n'
     r = trace_parts.summarise(events, 1, hlo)
     assert r["parts_ms_per_step"] == {"expert gather (PCIe)": 0.005, "GDN": 0.001}
+
+
+def test_fusions_holding_a_product_take_its_scope():
+    """A GEMM fusion whose root (and own metadata) is a convert is listed under its dot's op_name; a fusion
+    without metadata takes its members' commonest scope; one without a dot keeps its own."""
+    meta = 'metadata={op_name="j/layer_3/%s"}'
+    hlo = "\n".join([
+        "%gemm_fusion_dot.7_computation (p0: bf16[1,8], p1: bf16[4,8]) -> bf16[1,4] {",
+        "  %dot.1 = f32[1,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, " + meta % "gdn/dot_general",
+        "  ROOT %convert.2 = bf16[1,4]{1,0} convert(%dot.1), " + meta % "gdn/convert_element_type",
+        "}",
+        "%fused_computation.9 (p0: f32[4]) -> f32[4] {",
+        "  ROOT %add.3 = f32[4]{0} add(%p0, %p0), " + meta % "moe/hyper_connection/add",
+        "}",
+        "ENTRY %main () -> bf16[1,4] {",
+        "  %gemm_fusion_dot.7 = bf16[1,4]{1,0} fusion(), kind=kCustom, calls=%gemm_fusion_dot.7_computation, "
+        + meta % "gdn/convert_element_type",
+        "  %fusion.9 = f32[4]{0} fusion(), kind=kLoop, calls=%fused_computation.9",
+        "  ROOT %loop_add_fusion.2 = f32[4]{0} fusion(), calls=%fused_computation.9, " + meta % "gdn/add",
+        "}"])
+    scopes = trace_parts.scopes_of(hlo)
+    assert scopes["gemm_fusion_dot_7"] == "j/layer_3/gdn/dot_general"
+    assert scopes["fusion.9"] == "j/layer_3/moe/hyper_connection/fusion"
+    assert scopes["loop_add_fusion.2"] == "j/layer_3/gdn/add"
