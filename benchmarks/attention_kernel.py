@@ -153,18 +153,20 @@ def main(argv=None) -> int:
                 return x, new
             return Stepper(jax.jit(run, donate_argnums=0), fresh(), layers, x)
 
-        def qsa_choice(p, ik, iq, kernel, blocks=ap.BLOCKS):
+        def qsa_choice(p, kv, iq, kernel, blocks=ap.BLOCKS):
             if kernel:
-                scores = ap.block_scores(cfg, iq, ik, table, p.indexer.k_norm, blocks=blocks)
+                scores = ap.block_scores(cfg, iq, kv.index_keys, table, p.indexer.k_norm, blocks=blocks)
                 return jax.vmap(lambda s_b, pos_b: qsa.choose_blocks(cfg, s_b, pos_b))(scores, batch.positions)
-            return jax.vmap(lambda q_b, pos_b, row: qsa.block_choice(
-                cfg, q_b, qsa.block_keys(p.indexer, cfg, attn.read_pages(ik, row), n_blocks), pos_b))(
-                    iq, batch.positions, table)
+            return jax.vmap(lambda q_b, pos_b, row: qsa.block_choice(cfg, q_b, attn._block_keys(p, cfg, kv, row),
+                                                                     pos_b))(iq, batch.positions, table)
 
         def qsa_program(kernel, blocks=ap.BLOCKS):
             def run(kvs):
-                return [qsa_choice(layers[i], kvs[i].index_keys, qi, kernel, blocks) for i in range(L)], kvs
+                return [qsa_choice(layers[i], kvs[i], qi, kernel, blocks) for i in range(L)], kvs
             return Stepper(jax.jit(run, donate_argnums=0), fresh())
+
+        def up32(tree):  # the same inputs in float32: the numerics' reference
+            return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
         programs = []
         if "qsa" in args.scopes.split(","):
@@ -173,11 +175,9 @@ def main(argv=None) -> int:
             programs += [("qsa", f"kernel-{bl}", lambda bl=int(bl): qsa_program(True, bl), qsa_bytes)
                          for bl in args.blocks.split(",")]
             # numerics: chosen blocks of each path against XLA's in bf16 and in float32 (inputs upcast)
-            p32 = jax.tree.map(lambda a: a.astype(jnp.float32), layers[0])
-            ik0 = caches0[0].index_keys
-            ref32 = np.asarray(qsa_choice(p32, ik0.astype(jnp.float32), qi.astype(jnp.float32), False))
-            ref16 = np.asarray(qsa_choice(layers[0], ik0, qi, False))
-            got = np.asarray(qsa_choice(layers[0], ik0, qi, True))
+            ref32 = np.asarray(qsa_choice(up32(layers[0]), up32(caches0[0]), up32(qi), False))
+            ref16 = np.asarray(qsa_choice(layers[0], caches0[0], qi, False))
+            got = np.asarray(qsa_choice(layers[0], caches0[0], qi, True))
             kept = max(1, int(ref32.sum()))
             flips = {"kernel_vs_xla": int((got != ref16).sum()), "kernel_vs_f32": int((got != ref32).sum()),
                      "xla_vs_f32": int((ref16 != ref32).sum()), "chosen_f32": kept}
@@ -199,7 +199,6 @@ def main(argv=None) -> int:
         res["numerics"].append({"case": case, "scope": "layer", "variant": "kernel",
                                 "rel_err": rel_err(y_kernel, y_xla)})
         # and both against XLA's path in float32 on the same (upcast) input: which rounds further from it
-        up32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
         y32 = one(up32(layers[0]), up32(x), batch, up32(caches0[0]), False)
         res["numerics"] += [{"case": case, "scope": "layer", "variant": "kernel vs float32",
                              "rel_err": rel_err(y_kernel, y32)},

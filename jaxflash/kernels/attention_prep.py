@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ..config import ModelConfig
+from ..model.rope import inv_freq
 from . import compiler_params, on_gpu
 
 Array = jax.Array
@@ -52,12 +53,6 @@ BLOCKS = 4  # QSA blocks per program of block_scores (256 programs at batch 1 ov
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
-
-
-def inv_freq(cfg: ModelConfig) -> Array:
-    """RoPE's inverse frequencies [rotary_dim / 2], as rope.rope_cos_sin computes them (a constant to XLA)."""
-    rd = cfg.rotary_dim
-    return 1.0 / (cfg.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
 
 
 def _norm_rope(load, weight_ref, freq_ref, position, d: int, rd: int, eps: float, dt):
@@ -170,7 +165,8 @@ def _new_rows(cfg: ModelConfig, proj, index_proj, positions, valid, page_table, 
     parts = -(-nh // q_heads) + 1 + indexer
     args = (proj.reshape(-1), index_proj.reshape(-1), positions.astype(jnp.int32).reshape(-1),
             valid.astype(jnp.int32).reshape(-1), page_table.astype(jnp.int32).reshape(-1), q_norm, k_norm,
-            index_q_norm, inv_freq(cfg), k_pages.reshape(-1), v_pages.reshape(-1), index_pages.reshape(-1))
+            index_q_norm, inv_freq(cfg.rotary_dim, cfg.rope_theta), k_pages.reshape(-1), v_pages.reshape(-1),
+            index_pages.reshape(-1))
 
     def whole(a):
         return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
@@ -264,7 +260,7 @@ def _block_scores(cfg: ModelConfig, index_q, index_pages, page_table, k_norm, *,
     kernel = partial(_scores_kernel, r=r, ni=ni, di=di, rd=cfg.rotary_dim, eps=cfg.rms_norm_eps, t_new=t_new,
                      rows=rows, blocks=blocks, page=page, n_pages=n_pages, max_pages=page_table.shape[1])
     args = (index_q.reshape(-1), index_pages.reshape(-1), page_table.astype(jnp.int32).reshape(-1), k_norm,
-            inv_freq(cfg))
+            inv_freq(cfg.rotary_dim, cfg.rope_theta))
     scores = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((b, rows, programs * blocks), jnp.float32), grid=(b, programs),
         in_specs=[pl.BlockSpec(a.shape, lambda i, c: (0,)) for a in args],
@@ -275,4 +271,4 @@ def _block_scores(cfg: ModelConfig, index_q, index_pages, page_table, k_norm, *,
     return scores[:, :t_new, :n_blocks]
 
 
-__all__ = ["BLOCKS", "block_scores", "inv_freq", "new_rows", "takes"]
+__all__ = ["BLOCKS", "Q_HEADS", "block_scores", "new_rows", "takes"]

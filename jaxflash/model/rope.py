@@ -10,10 +10,14 @@ import jax.numpy as jnp
 from .base import Array
 
 
+def inv_freq(rotary_dim: int, theta: float) -> Array:
+    """The inverse frequencies [rotary_dim / 2] of the rotated pairs (float32)."""
+    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+
+
 def rope_cos_sin(positions: Array, rotary_dim: int, theta: float) -> tuple[Array, Array]:
     """cos, sin of shape [..., rotary_dim] for integer `positions` [...]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq(rotary_dim, theta)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
