@@ -340,6 +340,8 @@ def main(argv=None) -> int:
                          "the decode step's attention spans the whole planned context, not the sequences' lengths")
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--distinct-layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (0: the preset's); fewer fit a smaller GPU with every expert on it")
     ap.add_argument("--ngram-rows-scale", type=float, default=1 / 64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json")
@@ -364,14 +366,17 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     traces = tempfile.mkdtemp(prefix="jaxflash_traces_")  # large: kept out of --out
     cfg = make_config(args.preset, ngram_rows_scale=args.ngram_rows_scale).replace(mtp_num_hidden_layers=0)
+    if args.layers:  # the first N layers of the preset (its layer pattern; PLE where it falls among them)
+        cfg = cfg.replace(num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers],
+                          ple_layer_ids=tuple(i for i in cfg.ple_layer_ids if i <= args.layers))
     dev = jax.devices()[0]
     modes, batches = args.modes.split(","), [int(b) for b in args.batch.split(",")]
     routings = args.routing.split(",")
     max_batches = [int(b) for b in args.max_batch.split(",") if b] or [0]
     slot_counts = [int(n) for n in args.cache_slots.split(",") if n] or [None]
     res = {"device": str(dev.device_kind), "platform": dev.platform, "jax": jax.__version__,
-           "python": platform.python_version(), "preset": args.preset, "dtype": args.dtype,
-           "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
+           "python": platform.python_version(), "preset": args.preset, "layers": cfg.num_hidden_layers,
+           "dtype": args.dtype, "prompt_tokens": args.prompt, "steps": args.steps, "trace_steps": args.trace_steps,
            "max_seq_len": args.max_seq_len, "budget": args.budget, "runs": []}
     seq_lens = [int(n) for n in args.max_seq_len.split(",")]
     log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}; preset {args.preset}: "

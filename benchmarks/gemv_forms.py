@@ -4,7 +4,7 @@ differently, at the full-size model's shapes:
   * dot: an einsum with float32 sums (base.linear; XLA emits a Triton GEMM, split-K for narrow outputs such as
     out_proj's 2560 rows);
   * reduce: the products in float32 and their sum over K written as a multiply and a reduction (base.linear_by_sum,
-    which base.linear_narrow takes for one bf16 row on a GPU), which XLA emits as a row-reduction kernel reading W
+    which base.linear_rows takes for one bf16 row on a GPU), which XLA emits as a row-reduction kernel reading W
     once per row of x;
   * kernel-BN:BK:W:S: jaxflash/kernels/gemv.py at the tiling block_n:block_k:warps:stages (--tiles).
 Each shape is multiplied by L distinct weights in one jitted program (so L2 holds none of them); per product it

@@ -60,8 +60,10 @@ KERNEL_PARTS = [
     ("nvfp4_grouped_down", "routed experts"),
     ("gdn_decode", "GDN"),  # the GDN decode kernel (jaxflash/kernels/gdn_decode.py)
     ("attention_decode", "attention"),  # the paged attention kernel (jaxflash/kernels/attention_decode.py)
+    ("attention_combine", "attention"),  # its splits' combine with the output gate
     ("attention_new_rows", "attention"),  # the kernels around it (jaxflash/kernels/attention_prep.py)
     ("qsa_block_scores", "attention"),
+    ("moe_inputs", "router"),  # the router's choice and the shared expert's activation (kernels/moe_inputs.py)
     ("hc_mix", "hyper-connections"),  # the mix kernels (jaxflash/kernels/hc_mix.py), the final mixer's included
 ]
 

@@ -86,6 +86,17 @@ def test_kernel_matches_twin(dt, t, with_qsa, tiles):
     assert rel_err(got, ref) < TOL[dt]
     if with_qsa:  # the choice matters: causal attention alone gives other outputs
         assert rel_err(twin(q, k, v, table, positions, None, r), ref) > 1e-2
+    # with the output gate applied as the splits combine, read from rows laid out as the q|k|v projection's
+    nh, d = q.shape[2:]
+    rows = jnp.asarray(rng.normal(size=(3, t, 2 * nh * d + 40)), dt)
+    gated = ad.paged_attention(q, k, v, table, positions, chosen, r=r if with_qsa else 1, tiles=tiles,
+                               gate_rows=rows)
+    gate = rows[..., : 2 * nh * d].reshape(3, t, nh, 2 * d)[..., d:]
+    want = ref * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)
+    assert gated.shape == q.shape and gated.dtype == q.dtype and rel_err(gated, want) < TOL[dt]
+    # the same splits' output, gated: equal on the CPU; on a GPU the sigmoid's last bit may round the other way
+    assert rel_err(gated, got * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt)) <= (
+        2 ** -7 if dt == jnp.bfloat16 else 1e-6)
 
 
 def test_stale_rows_and_unowned_pages_are_never_seen():
@@ -126,6 +137,8 @@ def test_takes_and_bad_input():
         ad.paged_attention(q, k, v, table, positions, jnp.zeros((3, 1, 5), bool), r=2)
     with pytest.raises(ValueError, match="power of two"):
         ad.paged_attention(q, k, v, table, positions, tiles=ad.Tiles(24, 48))
+    with pytest.raises(ValueError, match="gate rows"):
+        ad.paged_attention(q, k, v, table, positions, gate_rows=jnp.zeros((3, 1, 8)))
     with pytest.raises(ValueError, match="does not take"):
         ad.paged_attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16), table, positions)
 

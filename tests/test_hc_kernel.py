@@ -4,7 +4,8 @@ weights.
 
 On the CPU the kernels run in Pallas interpret mode. Inputs: random float32 residual rows at several scales,
 norm, bottleneck and injection weights in float32 and bfloat16, with and without injection weights (the final
-mixer), 1 to 8 rows, with and without the previous block's combine inside the mix (combine_mix). Tolerance,
+mixer), 1 to 8 rows, with and without the previous block's combine inside the mix (combine_mix; its block output
+whole, or a MoE block's output as parts summed in the kernel). Tolerance,
 relative to the largest value: 1e-5 for x and inj, 1e-6 for the combined residual, 2^-8 (one bfloat16 ulp) for x
 written in bfloat16. Everything is float32 in
 both; the kernels only sum in another order (measured 4e-8 to 8e-7, the full-size shapes included), and may
@@ -26,6 +27,7 @@ from jaxflash.engine import runner as runner_mod
 from jaxflash.engine.runner import Want
 from jaxflash.kernels import hc_mix, on_gpu
 from jaxflash.model import hyper_connection as hc
+from jaxflash.model.moe import MoEOutput
 
 from numerics import rel_err
 
@@ -66,6 +68,16 @@ def test_mix_matches_twin(dt, inject):
         assert got[0].shape == h.shape and rel_err(got[0], want[0]) < 1e-6
         assert rel_err(got[1], want[1]) < 1e-5
         assert (got[2] is None) == (not inject) and (not inject or rel_err(got[2], want[2]) < 1e-5)
+        # y as a MoE block's parts (summed in the kernel where y is read): as the twin, whose y is their sum
+        # rounded to y's dtype, up to one ulp of that rounding where a fused multiply-add straddles it (GPU)
+        parts = MoEOutput(jnp.asarray(rng.normal(size=y.shape) * scale, jnp.float32), y,
+                          jnp.asarray(rng.uniform(0, 1, size=(*shape, 1)), jnp.float32))
+        want = hc.combine_mix(p, h, inj, parts, s, eps)
+        got = hc.combine_mix(p, h, inj, parts, s, eps, kernel=True)
+        np.testing.assert_array_equal(np.asarray(want[0]), np.asarray(hc.combine(h, inj, parts.total())))
+        ulp = 2.0 * float(jnp.max(jnp.abs(parts.total().astype(jnp.float32)))) * (2 ** -8 if dt == jnp.bfloat16 else 0)
+        assert float(jnp.max(jnp.abs(got[0] - want[0]))) <= ulp + 1e-6 * float(jnp.max(jnp.abs(want[0])))
+        assert rel_err(got[1], want[1]) < 1e-5 + (2 ** -8 if dt == jnp.bfloat16 else 0)
         # x in the block's input dtype, rounded as it is written: the float32 x rounded, up to one bfloat16 ulp
         # where the two float32 sums straddle a rounding boundary
         for fn in (lambda kernel: hc.mix(p, h, s, eps, kernel, jnp.bfloat16)[0],

@@ -164,16 +164,16 @@ def test_top_k_of_long_rows_in_two_stages(monkeypatch):
 
 
 def test_linear_by_sum(monkeypatch):
-    """base.linear_by_sum (one bf16 row, narrow output: the GPU's form for out_proj and o_proj at batch 1) against
+    """base.linear_by_sum (one bf16 row: the GPU's form for a batch-1 decode step's projections) against
     float64: it and linear are both within one bfloat16 rounding of the output (2^-8 of the largest); and
-    linear_narrow takes it exactly where SUM_ROWS says, on a GPU (the backend is faked: only the rule is checked)."""
+    linear_rows takes it exactly where SUM_ROWS says, on a GPU (the backend is faked: only the rule is checked)."""
     from jaxflash.model import base
 
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.normal(size=(48, 160)), jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(1, 160)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    for y in (base.linear_by_sum(x, w), base.linear(x, w), base.linear_narrow(x, w)):
+    for y in (base.linear_by_sum(x, w), base.linear(x, w), base.linear_rows(x, w)):
         assert y.dtype == jnp.bfloat16 and y.shape == (1, 48)
         assert np.abs(np.asarray(y, np.float64) - want).max() <= 2.0**-8 * np.abs(want).max()
     calls = []
@@ -182,12 +182,12 @@ def test_linear_by_sum(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     wide = jnp.asarray(rng.normal(size=(200, 160)), jnp.bfloat16)
     for xx, ww in ((x, w), (x[None], w), (jnp.concatenate([x, x]), w), (x, wide), (x.astype(jnp.float32), w)):
-        base.linear_narrow(xx, ww)
+        base.linear_rows(xx, ww)
         base.linear(xx, ww)  # linear itself never does
-    assert calls == [(1, 160), (1, 1, 160)]  # one row (of any rank), narrow output, bf16; not 2 rows, wide or f32
+    assert calls == [(1, 160), (1, 1, 160), (1, 160)]  # one bf16 row (of any rank, any width); not 2 rows or f32
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    base.linear_narrow(x, w)
-    assert len(calls) == 2  # not on a CPU
+    base.linear_rows(x, w)
+    assert len(calls) == 3  # not on a CPU
 
 
 def test_moe_paths_agree(ref, engine):

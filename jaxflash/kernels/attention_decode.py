@@ -12,7 +12,9 @@ acc) of the scores q k^T / sqrt(d) under the mask
     in p's incomplete tail block: s >= r ((p + 1) // r)),
 
 the mask of jaxflash.model.attention / qsa (QSA's block choice, [T, blocks] per sequence, comes in as data).
-It writes its split's (m, l, acc); `paged_attention` combines the splits in XLA (a few kilobytes per head).
+It writes its split's (m, l, acc); a second kernel combines the splits (program per query row and block of
+COMBINE_COLS columns), and multiplies in the output gate where the layer passes its rows, where XLA spent
+four kernels on the combine and one on the gate.
 
 Why this shape: a decode step has one query row per sequence, so the work is reading K and V once, at the
 bandwidth of the memory. Splitting the keys gives the GPU programs for a single sequence; a program skips the
@@ -68,8 +70,8 @@ class Tiles:
         return Tiles(block, -(-split // block) * block, self.warps, self.stages)
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(4, (n - 1).bit_length())
+def _pow2_ceil(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
 def takes(n_heads: int, n_kv: int, head_dim: int, rows: int, dtype) -> bool:
@@ -135,7 +137,7 @@ def _kernel(table_ref, pos_ref, chosen_ref, q_ref, k_ref, v_ref, m_ref, l_ref, a
 
 
 @partial(jax.jit, static_argnames=("r", "tiles", "interpret"))
-def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, *, r: int, tiles: Tiles,
+def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, gate_rows, *, r: int, tiles: Tiles,
                      interpret: bool):
     b, t_new, nh, d = q.shape
     n_pages, page, n_kv = k_pages.shape[:3]
@@ -174,25 +176,68 @@ def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, *, r: i
         interpret=interpret, name="attention_decode",
     )(page_table.astype(jnp.int32), positions.astype(jnp.int32), chosen, q.astype(k_pages.dtype).reshape(b, -1),
       k_pages.reshape(flat), v_pages.reshape(flat))
-    # the splits' softmaxes as one: weights exp(m_c - max_c m_c); a row that saw no key gives 0
-    top = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))
-    den = jnp.sum(w * l, axis=2)
-    o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]  # [B, n_kv, M, d]
-    o = o[:, :, : t_new * g].reshape(b, n_kv, t_new, g, d).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t_new, nh, d).astype(q.dtype)
+    return _combine(m, l, acc, gate_rows, t_new=t_new, nh=nh, g=g, dtype=q.dtype, interpret=interpret)
+
+
+# Output columns per program of the combine (a program reads [splits, COMBINE_COLS] of one row's acc)
+COMBINE_COLS = 64
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, gate_ref, o_ref, *, n_kv: int, n_splits: int, m_rows: int, d: int,
+                    g: int, t_new: int, nh: int, cols: int, width: int, gated: bool):
+    f32 = jnp.float32
+    i, h, row, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(row < t_new * g)  # padding rows of the query block are not outputs
+    def _():
+        split = jnp.arange(_pow2_ceil(n_splits, 1), dtype=jnp.int32)  # Triton blocks: a power of two, masked
+        real = split < n_splits
+        at = ((i * n_kv + h) * n_splits + jnp.minimum(split, n_splits - 1)) * m_rows + row  # the row's, per split
+        m, l = jnp.where(real, m_ref[at], -jnp.inf), jnp.where(real, l_ref[at], 0.0)
+        top = jnp.max(m)
+        w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))  # a split that saw no key weighs 0
+        den = jnp.sum(w * l)
+        col = cb * cols + jnp.arange(cols, dtype=jnp.int32)
+        acc = jnp.where(real[:, None], acc_ref[at[:, None] * d + col[None, :]], 0.0)  # [S, cols]
+        o = (jnp.sum(w[:, None] * acc, axis=0) / jnp.where(den > 0, den, 1.0)).astype(o_ref.dtype)
+        t, head = row // g, h * g + row % g
+        if gated:  # attention._output's gate: o * sigmoid(gate), each rounded to o's dtype
+            gate = gate_ref[(i * t_new + t) * width + head * 2 * d + d + col]
+            o = o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
+        o_ref[((i * t_new + t) * nh + head) * d + col] = o
+
+
+def _combine(m, l, acc, gate_rows, *, t_new: int, nh: int, g: int, dtype, interpret: bool):
+    """The splits' softmaxes (m, l, acc: [B, n_kv, splits, M(, d)]) as one: weights exp(m_c - max_c m_c), a row
+    that saw no key gives 0; times the output gate when gate_rows is given. [B, T, n_heads, d] in dtype."""
+    b, n_kv, n_splits, m_rows, d = acc.shape
+    cols = min(COMBINE_COLS, d)
+    gated = gate_rows is not None
+    gate = gate_rows.reshape(-1) if gated else jnp.zeros((1,), dtype)
+    kernel = partial(_combine_kernel, n_kv=n_kv, n_splits=n_splits, m_rows=m_rows, d=d, g=g, t_new=t_new, nh=nh,
+                     cols=cols, width=gate_rows.shape[-1] if gated else 0, gated=gated)
+    args = (m.reshape(-1), l.reshape(-1), acc.reshape(-1), gate)
+    whole = [pl.BlockSpec(a.shape, lambda *_: (0,)) for a in args]
+    out = jax.ShapeDtypeStruct((b * t_new * nh * d,), dtype)
+    o = pl.pallas_call(kernel, out_shape=out, grid=(b, n_kv, m_rows, d // cols), in_specs=whole,
+                       out_specs=pl.BlockSpec(out.shape, lambda *_: (0,)),
+                       compiler_params=compiler_params(interpret, 2), interpret=interpret,
+                       name="attention_combine")(*args)
+    return o.reshape(b, t_new, nh, d)
 
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, positions: Array,
-                    chosen: Array | None = None, *, r: int = 1, tiles: Tiles = Tiles(),
-                    interpret: bool | None = None) -> Array:
+                    chosen: Array | None = None, *, r: int = 1, gate_rows: Array | None = None,
+                    tiles: Tiles = Tiles(), interpret: bool | None = None) -> Array:
     """softmax(q k^T / sqrt(d) | mask) v for the queries q [B, T, n_heads, d] at positions [B, T] of B
     sequences over their pages (k_pages, v_pages [P, page, n_kv, d]; page_table [B, max_pages], ids outside
     [0, P) read as some page, which the mask hides when the sequence never wrote there: attention.PagedKV).
 
     chosen [B, T, n_keys / r] bool: QSA's kept complete blocks of r keys per query (qsa.block_choice), or None
-    for causal attention over every earlier key. Returns [B, T, n_heads, d] in q's dtype; a query at position
-    -1 sees nothing and gives 0. interpret: default on anything but a GPU; tiles: see Tiles."""
+    for causal attention over every earlier key. gate_rows [B, T, width]: rows whose columns [2 d h + d,
+    2 d h + 2 d) hold head h's output gate (attention's q|k|v projection, read in place), which then multiplies
+    the output as attention._output does. Returns [B, T, n_heads, d] in q's dtype; a query at position -1 sees
+    nothing and gives 0. interpret: default on anything but a GPU; tiles: see Tiles."""
     b, t_new, nh, d = q.shape
     n_kv = k_pages.shape[2]
     if not takes(nh, n_kv, d, t_new, k_pages.dtype):
@@ -205,7 +250,9 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
         raise ValueError(f"QSA's choice {chosen.shape} is not [{b}, {t_new}, {n_keys // r}] (blocks of {r} keys)")
     if tiles.block < 16 or tiles.block & (tiles.block - 1) or tiles.split < 0:
         raise ValueError(f"tiles {tiles}: block must be a power of two >= 16, split >= 0")
-    return _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, r=r, tiles=tiles,
+    if gate_rows is not None and (gate_rows.shape[:2] != (b, t_new) or gate_rows.shape[2] < 2 * nh * d):
+        raise ValueError(f"gate rows {gate_rows.shape} do not hold {nh} heads' gates for [{b}, {t_new}] queries")
+    return _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, gate_rows, r=r, tiles=tiles,
                             interpret=not on_gpu() if interpret is None else interpret)
 
 

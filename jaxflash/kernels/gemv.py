@@ -124,7 +124,7 @@ def _linear(x, w, *, tiles: Tiles, interpret: bool):
 def product(x: Array, w: Array, fallback=base.linear) -> Array:
     """base.linear(x, w) for an x that holds every row of the product (not under a vmap that hides the batch's
     rows, which would read w once per row): the kernel for up to PRODUCT_ROWS bf16 rows on a GPU, where it
-    takes the shapes; elsewhere `fallback` (XLA's forms: base.linear, or base.linear_narrow for a narrow w)."""
+    takes the shapes; elsewhere `fallback` (XLA's forms: base.linear, or base.linear_rows)."""
     rows = x.size // x.shape[-1]
     if on_gpu() and x.dtype == jnp.bfloat16 and rows <= PRODUCT_ROWS and takes(x.shape, w.shape, x.dtype):
         return linear(x, w)

@@ -7,7 +7,9 @@ down [R, W] and up [W, R], and the injection weights inject [S, W]:
     xn = h * rstd_s * (1 + n)          rstd_s = rsqrt(mean over stream s of h^2 + eps)
     a = silu(down xn / S);   gates = sigmoid(up a);   x = mean over streams of gates * xn
     inj = 2 sigmoid(inject xn / S)
-With a pending combine (inj0 [N, S], y [N, H]), h is first h + inj0[:, s] * y on stream s, and is returned.
+With a pending combine (inj0 [N, S], y [N, H]), h is first h + inj0[:, s] * y on stream s, and is returned; y
+may come as a MoE block's parts (routed [N, H] float32, shared [N, H], gate [N, 1]: y = routed + gate * shared
+rounded to shared's dtype, moe.MoEOutput), summed where they are read.
 Since rstd_s is one number per stream, down xn = sum_s rstd_s down_s (h_s (1 + n_s)), where down_s holds
 the columns of stream s. So:
   * the down kernel: program (i, c) computes the partial product of rows i BR ... of down with split c of
@@ -85,7 +87,7 @@ def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R
             and rank % 8 == 0)
 
 
-def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
+def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
                  rows: int, hidden: int, block_r: int, chunk: int, splits: int):
     f32 = jnp.float32
     i, c = pl.program_id(0), pl.program_id(1)
@@ -97,9 +99,15 @@ def _down_kernel(h_ref, inj0_ref, y_ref, norm_ref, down_ref, inject_ref, p_ref, 
     def residual(n, k):
         """Row n of h over the split's k-th chunk of columns, after the pending combine (written out once)."""
         hv = h_ref[n, pl.ds(first + k * chunk, chunk)]
-        if y_ref is None:
+        if y_refs is None:
             return hv
-        hv = hv + inj0_ref[n, s] * y_ref[n, pl.ds(first - s * hidden + k * chunk, chunk)].astype(f32)
+        at = pl.ds(first - s * hidden + k * chunk, chunk)
+        if len(y_refs) == 1:
+            y = y_refs[0][n, at].astype(f32)
+        else:  # a MoE block's output by parts: moe.MoEOutput.total
+            routed, shared, gate = y_refs
+            y = (routed[n, at] + gate[n, 0] * shared[n, at].astype(f32)).astype(shared.dtype).astype(f32)
+        hv = hv + inj0_ref[n, s] * y
 
         @pl.when(i == 0)
         def _():
@@ -190,8 +198,9 @@ def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, str
         up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
-    inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]), a combine
-    to apply to h first (hyper_connection.combine); the returned h is then the combined one, else h itself.
+    inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]) or
+    (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
+    (hyper_connection.combine); the returned h is then the combined one, else h itself.
     interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
@@ -212,6 +221,9 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
         raise ValueError(f"hc_mix: r_piece must be a power of two, got {r_piece}")
     f32 = jnp.float32
     has_inject, fused = inject is not None, pending is not None
+    n_y = len(pending) - 1 if fused else 0  # y, or a MoE output's three parts
+    if fused and n_y not in (1, 3):
+        raise ValueError(f"hc_mix: pending is (inj0, y) or (inj0, routed, shared, gate), got {len(pending)} arrays")
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
                           chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
     up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h,
@@ -222,7 +234,8 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     def down_call(*refs):
         it = iter(refs)
         take = lambda present: next(it) if present else None  # noqa: E731
-        h_ref, inj0, y = next(it), take(fused), take(fused)
+        h_ref, inj0 = next(it), take(fused)
+        y = tuple(next(it) for _ in range(n_y)) if fused else None
         norm_ref, down_ref, inject_ref = next(it), next(it), take(has_inject)
         p, ss, pi, hout = next(it), next(it), take(has_inject), take(fused)
         down_kernel(h_ref, inj0, y, norm_ref, down_ref, inject_ref, p, ss, pi, hout)

@@ -20,7 +20,7 @@ from jax import lax
 from ..config import ModelConfig
 from ..kernels import attention_decode, attention_prep
 from . import qsa
-from .base import (Array, TokenBatch, acc_dtype, linear, linear_narrow, linear_split, matmul, pytree_dataclass,
+from .base import (Array, TokenBatch, acc_dtype, linear, linear_rows, linear_split, matmul, pytree_dataclass,
                    stacked_part, up)
 from .norms import rms_norm
 from .rope import apply_rope, rope_cos_sin
@@ -213,7 +213,7 @@ def _output(p: Attention, o: Array, gate: Array) -> Array:
     b, t = o.shape[:2]
     o = o.reshape(b, t, -1)
     o = o * jax.nn.sigmoid(up(gate.reshape(b, t, -1))).astype(o.dtype)
-    return linear_narrow(o, p.o_proj)
+    return linear_rows(o, p.o_proj)
 
 
 # Whether the kernel path scores QSA's blocks in attention_prep.block_scores (one kernel) rather than in XLA
@@ -227,14 +227,14 @@ def _attention_kernels(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBat
     """attention() for a decode or verify step in kernels: attention_prep.new_rows norms and ropes the new rows
     where the projection wrote them and writes their K, V and index keys into the pages; QSA's blocks are scored
     in attention_prep.block_scores (QSA_SCORES_KERNEL) or XLA, and chosen in XLA (qsa.choose_blocks);
-    attention_decode attends over the pages."""
+    attention_decode attends over the pages and applies the output gate."""
     b, t = x.shape[:2]
     nh, hd = cfg.num_attention_heads, cfg.head_dim
     positions, page_table = batch.positions, batch.page_table
-    proj = linear(x, p.qkv_proj)
+    proj = linear_rows(x, p.qkv_proj)
     ix = p.indexer
     q, q_index, k_pages, v_pages, index_pages = attention_prep.new_rows(
-        cfg, proj, None if ix is None else linear(x, ix.index_qk_proj), positions, batch.valid, page_table,
+        cfg, proj, None if ix is None else linear_rows(x, ix.index_qk_proj), positions, batch.valid, page_table,
         p.q_norm, p.k_norm, None if ix is None else ix.q_norm, kv.k, kv.v, kv.index_keys)
     kv = PagedKV(k_pages, v_pages, index_pages)
     chosen = None
@@ -246,10 +246,10 @@ def _attention_kernels(p: Attention, cfg: ModelConfig, x: Array, batch: TokenBat
         else:
             chosen = jax.vmap(lambda qi_b, pos_b, row: qsa.block_choice(cfg, qi_b, _block_keys(p, cfg, kv, row),
                                                                         pos_b))(q_index, positions, page_table)
+    # the output gate is applied as the kernel combines its splits, from the gate columns of proj
     o = attention_decode.paged_attention(q, kv.k, kv.v, page_table, positions, chosen,
-                                         r=cfg.indexer_compress_ratio)
-    gate = proj[..., : nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:]
-    return _output(p, o, gate), kv
+                                         r=cfg.indexer_compress_ratio, gate_rows=proj)
+    return linear_rows(o.reshape(b, t, nh * hd), p.o_proj), kv
 
 
 def _attend_sequence(p: Attention, cfg: ModelConfig, kv: PagedKV, t: int, q_block: int, k_block: int, q_b: Array,

@@ -59,20 +59,19 @@ def linear(x: Array, w: Array) -> Array:
     return y.astype(x.dtype)
 
 
-# Token rows up to which a bfloat16 product on a GPU whose output is narrower than its input (GDN's out_proj and
-# attention's o_proj, 2560 x 6144) is written as products and a sum over the inputs (linear_by_sum): XLA emits
-# one row reduction reading w at 2.9 TB/s, where its GEMM for that shape splits the inputs over two kernels.
-# H100: 14.0 -> 10.7 us per product, a GDN layer 60.0 -> 56.1 us; with 8 rows the reduction reads w once per
-# row, 6x slower than the GEMM (benchmarks/gemv_forms.py, RESULTS.md).
+# Token rows up to which a bfloat16 product on a GPU is written as products and a sum over the inputs
+# (linear_by_sum): XLA emits one row reduction reading w at about 3 TB/s, where its GEMV or split-K GEMM for
+# the decode step's shapes reads at 2.3-2.7 (H100: GDN's out_proj 14.0 -> 10.7 us, its stacked in_proj 31.6 ->
+# 26.8, attention's q|k|v 28.9 -> 21.7; a GDN layer 60.0 -> 56.1 us with out_proj alone by sum). With 8 rows the
+# reduction reads w once per row, 6x slower than the GEMM (benchmarks/gemv_forms.py, RESULTS.md).
 SUM_ROWS = 1
 
 
-def linear_narrow(x: Array, w: Array) -> Array:
-    """linear for w with fewer outputs than inputs, where x holds every row of the product: linear_by_sum for up
-    to SUM_ROWS bf16 rows on a GPU, else linear. (Under an outer vmap, which hides the batch's rows from the
-    rule, the products are the same, only slower for a large batch.)"""
-    if (x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= SUM_ROWS and w.shape[0] < w.shape[1]
-            and jax.default_backend() == "gpu"):
+def linear_rows(x: Array, w: Array) -> Array:
+    """linear where x holds every row of the product (a decode step's projections): linear_by_sum for up to
+    SUM_ROWS bf16 rows on a GPU, else linear. (Under an outer vmap, which hides the batch's rows from the rule,
+    the products are the same, only slower for a large batch.)"""
+    if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= SUM_ROWS and jax.default_backend() == "gpu":
         return linear_by_sum(x, w)
     return linear(x, w)
 

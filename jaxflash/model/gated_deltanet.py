@@ -17,7 +17,7 @@ from jax import lax
 
 from ..config import ModelConfig
 from ..kernels import gdn_chunk, gdn_decode
-from .base import (Array, acc_dtype, linear, linear_narrow, linear_split, pytree_dataclass, silu, stacked_part,
+from .base import (Array, acc_dtype, linear, linear_rows, linear_split, pytree_dataclass, silu, stacked_part,
                    up)
 from .norms import l2norm, rms_norm_gated
 
@@ -302,13 +302,13 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     b = x.shape[0]
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     live = (n_valid > 0).astype(jnp.int32)
-    proj = linear(x, p.in_proj)  # the kernel reads qkv, b and a in place
+    proj = linear_rows(x, p.in_proj)  # the kernel reads qkv, b and a in place
     qkv_raw, z, _, _ = jnp.split(proj, list(p._edges()), axis=-1)
     o, recurrent = gdn_decode.recurrent_step(cfg, proj, live, p.conv1d, p.dt_bias, p.A_log, state.conv,
                                              state.recurrent)
     z = z.reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
-    y = linear_narrow(o.reshape(b, hv * dv), p.out_proj)[:, None]
+    y = linear_rows(o.reshape(b, hv * dv), p.out_proj)[:, None]
     # conv_window of [old rows; the new row] at n = live, as a select that XLA fuses with the new row's
     # computation (a padding token keeps its rows); written in place
     old = state.conv[:b]

@@ -17,6 +17,7 @@ from jax import lax
 
 from ..kernels import hc_mix
 from .base import Array, pytree_dataclass, silu, up
+from .moe import MoEOutput
 from .norms import rms_norm
 
 
@@ -67,8 +68,10 @@ def _in_kernels(p: HyperConnection, h: Array, streams: int, eps: float, dtype, p
     """(h, x, inj) of the mix of h [..., W] in jaxflash.kernels.hc_mix, after the pending combine (inj0, y) if
     any (then h is the combined residual, else h itself); x in dtype."""
     lead, rows = h.shape[:-1], math.prod(h.shape[:-1])
-    if pending is not None:
-        pending = (pending[0].reshape(rows, streams), pending[1].reshape(rows, -1))
+    if pending is not None:  # (inj0, y), with y as its parts when it is a MoE block's output
+        inj0, y = pending
+        parts = (y.routed, y.shared, y.gate) if isinstance(y, MoEOutput) else (y,)
+        pending = (inj0.reshape(rows, streams), *(a.reshape(rows, -1) for a in parts))
     x, inj, hk = hc_mix.mix(h.reshape(rows, -1), p.norm, p.down, p.up, p.inject, streams, eps, pending=pending,
                             x_dtype=dtype)
     return hk.reshape(h.shape), x.reshape(*lead, -1), None if inj is None else inj.reshape(*lead, streams)
@@ -95,19 +98,21 @@ def mix(p: HyperConnection, h: Array, streams: int, eps: float, kernel: bool = F
     return x, inj
 
 
-def combine_mix(p: HyperConnection, h: Array, inj: Array, y: Array, streams: int, eps: float,
+def combine_mix(p: HyperConnection, h: Array, inj: Array, y: Array | MoEOutput, streams: int, eps: float,
                 kernel: bool = False, dtype=None) -> tuple[Array, Array, Array | None]:
     """combine(h, inj, y), then mix(p, ..., dtype) of the result: (h, x, inj) of the next block. kernel: a few
-    rows run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first), which saves XLA's
-    combine kernel; this function's own code is their twin."""
+    rows run both in jaxflash.kernels.hc_mix's two kernels (the combine inside the first, a MoE output's parts
+    summed there too), which saves XLA's combine kernel; this function's own code is their twin."""
     if kernel and _kernels_take(p, h, streams):
         return _in_kernels(p, h, streams, eps, dtype or h.dtype, (inj, y))
     h = combine(h, inj, y)
     return (h, *mix(p, h, streams, eps, dtype=dtype))
 
 
-def combine(h: Array, inj: Array, y: Array) -> Array:
-    """h + per-stream injection of the block output y [T, H]: stream s gets inj[:, s] * y."""
+def combine(h: Array, inj: Array, y: Array | MoEOutput) -> Array:
+    """h + per-stream injection of the block output y [T, H] (or a MoE block's output, summed first): stream s
+    gets inj[:, s] * y."""
+    y = y.total() if isinstance(y, MoEOutput) else y
     streams = inj.shape[-1]
     hidden = y.shape[-1]
     add = inj[..., :, None] * y.astype(inj.dtype)[..., None, :]

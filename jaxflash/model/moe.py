@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..config import ModelConfig
-from ..kernels import nvfp4_experts, nvfp4_grouped
-from .base import (Array, acc_dtype, linear, linear_split, precision_for, pytree_dataclass, silu, stacked_part,
+from ..kernels import moe_inputs, nvfp4_experts, nvfp4_grouped, on_gpu
+from .base import (Array, acc_dtype, linear, linear_rows, precision_for, pytree_dataclass, silu, stacked_part,
                    static, top_k, up)
 
 # E2M1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
@@ -133,12 +133,6 @@ class MoE:
     shared_gate_proj = stacked_part("inputs", 1)  # [Is, H]
     shared_up_proj = stacked_part("inputs", 2)  # [Is, H]
     shared_expert_gate = stacked_part("inputs", 3)  # [1, H]
-
-
-def input_projections(p: MoE, x: Array) -> tuple[Array, Array, Array, Array]:
-    """x [N, H] through the stacked input projections in one matmul: (router logits, shared gate, shared up,
-    shared expert gate) in x's dtype, [N, E], [N, Is], [N, Is], [N, 1]."""
-    return linear_split(x, p.inputs, p._edges())
 
 
 def router_probs(p: MoE, x: Array) -> Array:
@@ -372,20 +366,54 @@ def given_route(cfg: ModelConfig, probs: Array, ids: Array, dtype) -> tuple[Arra
     return w.astype(dtype), ids.astype(jnp.int32)
 
 
-def moe(p: MoE, cfg: ModelConfig, x: Array, experts, layer: int = 0, valid: Array | None = None,
-        ids: Array | None = None):
-    """MoE block over tokens x [N, H]: router top-k, the routed experts from the expert source `experts`,
-    plus the gated shared expert. Returns (y [N, H] in x's dtype, the updated source, Routing).
-    ids [N, k]: route to these experts instead of the router's top-k (fixed routing for studies and
-    benchmarks); the router still runs and gives their weights."""
+@pytree_dataclass
+class MoEOutput:
+    """A MoE block's output y = routed + gate * shared, rounded to shared's dtype, kept as its parts until it is
+    added to the residual: the next layer's hyper-connection kernel adds them where it reads y (see
+    hyper_connection.combine), so no kernel of its own sums them."""
+
+    routed: Array  # [..., H] float32 (float64 for a float64 model): sum_j w_j expert_j(x)
+    shared: Array  # [..., H] the shared expert's output, x's dtype
+    gate: Array  # [..., 1] float32: sigmoid of its gate logit
+
+    def total(self) -> Array:
+        return (self.routed + self.gate * up(self.shared)).astype(self.shared.dtype)
+
+
+def moe_parts(p: MoE, cfg: ModelConfig, x: Array, experts, layer: int = 0, valid: Array | None = None,
+              ids: Array | None = None, router_kernel: bool | None = None):
+    """moe's block with its output as MoEOutput (parts not yet summed). router_kernel: the router's choice and
+    the shared expert's activation in jaxflash.kernels.moe_inputs (interpret mode off a GPU); None: on a GPU
+    for the few rows it takes (decode and verify steps)."""
+    dt, n_experts, shared = x.dtype, p._edges()[0], p.shared_down_proj.shape[-1]
+    if router_kernel is None:
+        router_kernel = on_gpu() and moe_inputs.takes(x.shape[0], dt)
     with jax.named_scope("router"):  # with the shared expert's input projections (one read of x)
-        logits, shared_gate, shared_up, shared_expert_gate = input_projections(p, x)
-        probs = jax.nn.softmax(up(logits), axis=-1)
-        w, idx = route(p, cfg, x, probs) if ids is None else given_route(cfg, probs, ids, x.dtype)
+        proj = linear_rows(x, p.inputs)
+        logits, shared_gate, shared_up, shared_expert_gate = jnp.split(proj, list(p._edges()), axis=-1)
+        probs = jax.nn.softmax(up(logits), axis=-1)  # Routing's; unused (and not computed) in the engine's steps
+        if router_kernel:
+            kernel_ids, kernel_w, gate, act = moe_inputs.moe_inputs(proj, n_experts, shared, cfg.num_experts_per_tok,
+                                                                    cfg.norm_topk_prob)
+            w, idx = (kernel_w, kernel_ids) if ids is None else given_route(cfg, probs, ids, dt)
+        else:
+            w, idx = route(p, cfg, x, probs) if ids is None else given_route(cfg, probs, ids, dt)
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
     with jax.named_scope("routed_experts"):
         routed_out, experts = experts.routed(layer, p, x, idx, w, valid)
     with jax.named_scope("shared_expert"):
-        shared = linear(silu(up(shared_gate)).astype(x.dtype) * shared_up, p.shared_down_proj)
-        shared = jax.nn.sigmoid(up(shared_expert_gate)) * up(shared)
-    return (routed_out + shared).astype(x.dtype), experts, Routing(probs, idx, w)
+        if not router_kernel:
+            act = silu(up(shared_gate)).astype(dt) * shared_up
+            gate = jax.nn.sigmoid(up(shared_expert_gate))
+        shared_out = linear(act, p.shared_down_proj)
+    return MoEOutput(routed_out, shared_out, gate), experts, Routing(probs, idx, w)
+
+
+def moe(p: MoE, cfg: ModelConfig, x: Array, experts, layer: int = 0, valid: Array | None = None,
+        ids: Array | None = None, router_kernel: bool | None = None):
+    """MoE block over tokens x [N, H]: router top-k, the routed experts from the expert source `experts`,
+    plus the gated shared expert. Returns (y [N, H] in x's dtype, the updated source, Routing).
+    ids [N, k]: route to these experts instead of the router's top-k (fixed routing for studies and
+    benchmarks); the router still runs and gives their weights. router_kernel: see moe_parts."""
+    out, experts, routing = moe_parts(p, cfg, x, experts, layer, valid, ids, router_kernel)
+    return out.total(), experts, routing

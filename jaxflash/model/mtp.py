@@ -16,7 +16,7 @@ from . import hyper_connection as hc
 from .base import Array, TokenBatch, linear, pytree_dataclass, up
 from .moe import ResidentExperts
 from .norms import rms_norm
-from .transformer import DecoderLayer, LayerState, Params, decoder_layer, fresh, lm_logits
+from .transformer import DecoderLayer, LayerState, Params, decoder_layer, finish, fresh, lm_logits
 
 
 @pytree_dataclass
@@ -55,7 +55,8 @@ def mtp_layer(params: Params, cfg: ModelConfig, hidden: Array, next_tokens: Arra
     output state hm' [B, T, W], the updated LayerState, Routing)."""
     with jax.named_scope("mtp"):
         x0 = mtp_input(params, cfg, hidden, next_tokens)
-        h, state, _, routing = decoder_layer(params.mtp.layer, cfg, 0, x0, batch, state, experts)
+        h, moe_out, state, _, routing = decoder_layer(params.mtp.layer, cfg, 0, x0, batch, state, experts)
+        h = finish(h, moe_out)
     return h, state, routing
 
 

@@ -4,6 +4,10 @@
     for each layer:  (PLE at its layer)  h += inject * Mixer(mix(h));  h += inject * MoE(mix(h))
     logits = lm_head(final_mix(h))                    # no final norm: the mixer normalises
 
+A layer returns its MoE output beside h rather than added to it: the next layer adds it where its first mix
+reads h (hyper_connection.combine_mix: inside the mix's kernel at decode, no kernel of its own), and the caller
+after the last layer (`finish`).
+
 One function, `decoder_layer`, is the layer for every caller. It runs new tokens of B sequences on top of each
 sequence's state (paged KV for attention, conv + recurrent state for GDN, the conv state of PLE) and returns
 the updated state: the engine's prefill chunks and decode steps pass the state they keep, the full-sequence
@@ -22,7 +26,7 @@ from . import hyper_connection as hc
 from . import ple as ple_mod
 from .attention import Attention, PagedKV, attention
 from .base import Array, TokenBatch, acc_dtype, precision_for, pytree_dataclass, up
-from .moe import MoE, ResidentExperts, Routing, moe
+from .moe import MoE, ResidentExperts, Routing, moe_parts
 
 
 @pytree_dataclass
@@ -77,7 +81,7 @@ def embed(params: Params, cfg: ModelConfig, tokens: Array) -> Array:
 def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, batch: TokenBatch,
                   state: LayerState, experts, ple_rows: Array | None = None, expert_ids: Array | None = None,
                   gdn_kernel: bool = False, hc_kernel: bool = False, pending: bool = False,
-                  attn_kernel: bool = False):
+                  attn_kernel: bool = False, moe_in: tuple | None = None):
     """Decoder layer `index` over the new tokens h [B, T, W] (float32 residual) of `batch`, on top of `state`.
 
     experts: the routed experts' source (moe.ResidentExperts, or the engine's host-pool sources).
@@ -89,7 +93,10 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     pending: a verify step: the GDN and PLE parts of the returned LayerState are pending (GDNPendingBatch, the PLE
     conv history) until `commit_layers` keeps each sequence's accepted tokens; the KV pages are written for
     every new token (positions past a sequence's length are never read, and later tokens overwrite them).
-    Returns (h [B, T, W], the updated LayerState, the updated expert source, Routing of the B*T tokens).
+    moe_in: the previous layer's moe_out, added to h here first.
+    Returns (h [B, T, W], moe_out, the updated LayerState, the updated expert source, Routing of the B*T
+    tokens); moe_out = (inj [B, T, S], moe.MoEOutput [B, T, H]) is this layer's MoE block's output and its
+    injection weights, not yet added to h: the residual after the layer is `finish(h, moe_out)`.
     The mixers run per sequence; the MoE runs over all B*T tokens at once. Padding tokens leave every state
     as it was.
     """
@@ -99,6 +106,8 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     n_new = batch.n_new
     ple_conv = state.ple_conv
     if layer.ple is not None:
+        if moe_in is not None:  # PLE reads h: the previous MoE output goes in first
+            h, moe_in = finish(h, moe_in), None
         with jax.named_scope("ple"):
             out, ple_conv = jax.vmap(lambda hh, rr, cs, n: ple_mod.ple(layer.ple, cfg, hh, rr, cs, n, pending))(
                 h, ple_rows, ple_conv, n_new)
@@ -107,7 +116,10 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     is_attention = isinstance(layer.mixer, Attention)
     with jax.named_scope("attention" if is_attention else "gdn"):
         with jax.named_scope("hyper_connection"):
-            x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel, dt)
+            if moe_in is None:
+                x, inj = hc.mix(layer.attn_hc, h, s, eps, hc_kernel, dt)
+            else:
+                h, x, inj = hc.combine_mix(layer.attn_hc, h, *moe_in, s, eps, hc_kernel, dt)
         if is_attention:
             y, mixer = attention(layer.mixer, cfg, x, batch, state.mixer, attn_kernel)
         else:
@@ -116,11 +128,16 @@ def decoder_layer(layer: DecoderLayer, cfg: ModelConfig, index: int, h: Array, b
     with jax.named_scope("moe"):
         with jax.named_scope("hyper_connection"):  # the mixer's combine with the MoE's mix
             h, x, inj = hc.combine_mix(layer.mlp_hc, h, inj, y, s, eps, hc_kernel, dt)
-        y, experts, routing = moe(layer.moe, cfg, x.reshape(b * t, -1), experts, index,
-                                  batch.valid.reshape(-1), expert_ids)
-        with jax.named_scope("hyper_connection"):
-            h = hc.combine(h, inj, y.reshape(b, t, -1))
-    return h, LayerState(mixer, ple_conv), experts, routing
+        y, experts, routing = moe_parts(layer.moe, cfg, x.reshape(b * t, -1), experts, index,
+                                        batch.valid.reshape(-1), expert_ids)
+    moe_out = (inj, jax.tree.map(lambda a: a.reshape(b, t, -1), y))
+    return h, moe_out, LayerState(mixer, ple_conv), experts, routing
+
+
+def finish(h: Array, moe_out: tuple) -> Array:
+    """The residual after a layer: its h with its moe_out added (hyper_connection.combine)."""
+    with jax.named_scope("hyper_connection"):
+        return hc.combine(h, *moe_out)
 
 
 def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: TokenBatch, states: tuple, experts,
@@ -131,15 +148,18 @@ def forward_layers(params: Params, cfg: ModelConfig, tokens: Array, batch: Token
     routers'); gdn_kernel, hc_kernel, pending, attn_kernel: see decoder_layer. Returns (h [B, T, W] before the final mixer,
     the updated states, the updated expert source, a Routing per layer)."""
     h = embed(params, cfg, tokens)
-    new_states, routings = [], []
+    new_states, routings, moe_out = [], [], None
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
-            h, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
-                                              ple_rows if layer.ple is not None else None,
-                                              None if expert_ids is None else expert_ids[i], gdn_kernel,
-                                              hc_kernel, pending, attn_kernel)
+            h, moe_out, st, experts, r = decoder_layer(layer, cfg, i, h, batch, states[i], experts,
+                                                       ple_rows if layer.ple is not None else None,
+                                                       None if expert_ids is None else expert_ids[i], gdn_kernel,
+                                                       hc_kernel, pending, attn_kernel, moe_in=moe_out)
         new_states.append(st)
         routings.append(r)
+    if moe_out is not None:
+        with jax.named_scope(f"layer_{len(params.layers) - 1}"), jax.named_scope("moe"):
+            h = finish(h, moe_out)
     return h, tuple(new_states), experts, tuple(routings)
 
 
@@ -229,5 +249,5 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, *, ple_rows: Array 
 
 
 __all__ = ["DecoderLayer", "LayerState", "Params", "Routing", "TokenBatch", "decoder_layer", "embed",
-           "final_logits", "forward", "forward_hidden", "forward_layers", "fresh", "init_layer_state",
+           "final_logits", "finish", "forward", "forward_hidden", "forward_layers", "fresh", "init_layer_state",
            "lm_logits"]
