@@ -2,8 +2,8 @@
 """Programmatic dependent launch (PDL) for Pallas (Triton backend) kernels inside XLA's command buffer: does a
 kernel that calls griddepcontrol start before its predecessor ends, and what does a chain of them gain?
 
-A chain of L product kernels y_{l+1} = W_l y_l (bf16 [N, N], one jitted program, each kernel `--rows` output
-rows per program) in one of three forms:
+A chain of L product kernels y_{l+1} = W_l y_l (bf16 [N, N], one jitted program; `--tiles`: output rows and
+warps per program) in one of three forms:
   plain   no griddepcontrol;
   pdl     `griddepcontrol.launch_dependents` when a program starts (the next kernel may launch) and
           `griddepcontrol.wait` after its weight tile is loaded, before it reads y (the predecessor's output);
@@ -19,14 +19,17 @@ and the next one's start (negative: they overlap).
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from trace_parts import gpu_kernels  # noqa: E402
 
 FORMS = ("plain", "pdl", "wait")
 _WAIT = "griddepcontrol.wait;\nmov.b32 $0, $1;"
@@ -93,10 +96,7 @@ def run(form: str, layers: int, n: int, rows: int, warps: int, reps: int) -> dic
         for _ in range(3):
             y = chain(ws, y)
         y.block_until_ready()
-    [f] = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(f, "rt") as fh:
-        ev = json.load(fh)["traceEvents"]
-    ev = sorted((e for e in ev if e.get("ph") == "X" and "pdl_probe" in e.get("name", "")), key=lambda e: e["ts"])
+    ev = [e for e in gpu_kernels(trace_dir) if "pdl_probe" in e.get("name", "")]
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(ev, ev[1:])]
     return {"form": form, "rows": rows, "warps": warps, "layers": layers, "n": n,
             "us_per_kernel_wall": wall / layers * 1e6, "tb_s": n * n * 2 / (wall / layers) / 1e12,
