@@ -102,10 +102,9 @@ def main(argv=None) -> int:
         return o[0], hist[1:], rec
 
     def kernel_recurrent(p, proj, conv_state, rec, warps, block_v):  # the same with the kernel
-        qkv_raw, z, _, _ = parts(p, proj)
-        o, rec = gdn_decode.recurrent_step(cfg, proj[:, 0], live[:, 0], p.conv1d, p.dt_bias, p.A_log,
-                                           conv_state, rec, warps=warps, block_v=block_v)
-        conv_state = jnp.concatenate([conv_state[:, 1:], qkv_raw], axis=1)  # the shift, as the model does it
+        _, z, _, _ = parts(p, proj)
+        o, conv_state, rec = gdn_decode.recurrent_step(cfg, proj[:, 0], live[:, 0], p.conv1d, p.dt_bias, p.A_log,
+                                                       conv_state, rec, warps=warps, block_v=block_v)
         o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
         return o, conv_state, rec
 

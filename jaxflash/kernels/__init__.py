@@ -26,3 +26,17 @@ def dot(a, b, contract_b: int):
     sums inside a kernel; float32 inputs in full precision (the tensor cores would take TF32)."""
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision_for(a.dtype),
                                preferred_element_type=jax.numpy.float32)
+
+
+# Triton blocks have power-of-two sizes: the kernels pad or tile their shapes with these.
+def pow2_ceil(n: int, least: int = 1) -> int:
+    """The least power of two >= n, and >= least."""
+    return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, dot, on_gpu
+from . import compiler_params, dot, on_gpu, pow2_ceil
 
 Array = jax.Array
 DTYPES = (jnp.bfloat16, jnp.float32)  # cache dtypes the kernel takes
@@ -64,14 +64,10 @@ class Tiles:
         """For n_keys keys per sequence, `rows` query rows per (sequence, KV head) and `parallel` (sequence, KV
         head) pairs. Blocks of 64 keys with 64 query rows ask for more shared memory than an H200 has (320 KB
         at head dim 256): 32 from 64 rows on."""
-        block = min(self.block, _pow2_ceil(n_keys), 32 if rows >= 64 else self.block)
+        block = min(self.block, pow2_ceil(n_keys, 16), 32 if rows >= 64 else self.block)
         split = self.split or -(-n_keys // max(1, TARGET_PROGRAMS // parallel))
         split = max(block, min(split, -(-n_keys // block) * block))
         return Tiles(block, -(-split // block) * block, self.warps, self.stages)
-
-
-def _pow2_ceil(n: int, least: int = 16) -> int:
-    return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
 def takes(n_heads: int, n_kv: int, head_dim: int, rows: int, dtype) -> bool:
@@ -143,7 +139,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, positions, chosen, gate_ro
     n_pages, page, n_kv = k_pages.shape[:3]
     g = nh // n_kv
     n_keys = page_table.shape[1] * page
-    m_rows = _pow2_ceil(t_new * g)
+    m_rows = pow2_ceil(t_new * g, 16)
     t = tiles.fit(n_keys, m_rows, b * n_kv)
     n_splits = -(-n_keys // t.split)
     qsa = chosen is not None
@@ -190,7 +186,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, gate_ref, o_ref, *, n_kv: int, n_spli
 
     @pl.when(row < t_new * g)  # padding rows of the query block are not outputs
     def _():
-        split = jnp.arange(_pow2_ceil(n_splits, 1), dtype=jnp.int32)  # Triton blocks: a power of two, masked
+        split = jnp.arange(pow2_ceil(n_splits, 1), dtype=jnp.int32)  # Triton blocks: a power of two, masked
         real = split < n_splits
         at = ((i * n_kv + h) * n_splits + jnp.minimum(split, n_splits - 1)) * m_rows + row  # the row's, per split
         m, l = jnp.where(real, m_ref[at], -jnp.inf), jnp.where(real, l_ref[at], 0.0)

@@ -43,16 +43,12 @@ from jax.experimental.pallas import triton as plt
 
 from ..config import ModelConfig
 from ..model.rope import inv_freq
-from . import compiler_params, on_gpu
+from . import compiler_params, on_gpu, pow2_ceil
 
 Array = jax.Array
 Q_HEADS = 4  # query heads per program of new_rows (a token's heads are spread over programs)
 BLOCKS = 4  # QSA blocks per program of block_scores (256 programs at batch 1 over a 4096-key bucket; H100: 3.6 us
 # per layer there, 4.2 at 8 blocks, 6.2 at 16)
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
 def _norm_rope(load, weight_ref, freq_ref, position, d: int, rd: int, eps: float, dt):
@@ -102,7 +98,7 @@ def _rows_kernel(proj_ref, iproj_ref, pos_ref, live_ref, table_ref, q_norm_ref, 
 
     @pl.when(part == n_qb)
     def _keys_values():
-        hk = jnp.arange(_pow2(nkv), dtype=jnp.int32)[:, None]
+        hk = jnp.arange(pow2_ceil(nkv), dtype=jnp.int32)[:, None]
         at_k = n * width + nh * 2 * d + jnp.minimum(hk, nkv - 1) * d
         k = _norm_rope(lambda c: proj_ref[at_k + c], k_norm_ref, freq_ref, pos, d, rd, eps, dt)
         in_cache = (cache_row * nkv + hk) * d + cols
@@ -119,7 +115,7 @@ def _rows_kernel(proj_ref, iproj_ref, pos_ref, live_ref, table_ref, q_norm_ref, 
         @pl.when(part == n_qb + 1)
         def _index_queries():
             ci = jnp.arange(di, dtype=jnp.int32)[None, :]
-            hi = jnp.arange(_pow2(ni), dtype=jnp.int32)[:, None]
+            hi = jnp.arange(pow2_ceil(ni), dtype=jnp.int32)[:, None]
             iq = _norm_rope(lambda c: iproj_ref[n * (ni + 1) * di + jnp.minimum(hi, ni - 1) * di + c], iq_norm_ref,
                             freq_ref, pos, di, rd, eps, dt)
             plt.store(iq_out_ref.at[n * ni * di + hi * di + ci], iq, mask=(hi < ni) & (ci < di))
@@ -158,7 +154,7 @@ def _new_rows(cfg: ModelConfig, proj, index_proj, positions, valid, page_table, 
         index_proj, index_q_norm, index_pages = proj, q_norm, jnp.zeros((1,), k_pages.dtype)
     n_pages, page = k_pages.shape[:2]
     rows = b * t_new
-    q_heads = min(Q_HEADS, _pow2(nh))
+    q_heads = min(Q_HEADS, pow2_ceil(nh))
     kernel = partial(_rows_kernel, nh=nh, nkv=nkv, d=d, ni=ni, di=di, rd=cfg.rotary_dim, eps=cfg.rms_norm_eps,
                      t_new=t_new, page=page, n_pages=n_pages, max_pages=page_table.shape[1], indexer=indexer,
                      q_heads=q_heads)
@@ -201,7 +197,7 @@ def _scores_kernel(iq_ref, ik_ref, table_ref, k_norm_ref, freq_ref, out_ref, *, 
     blk = c * blocks + jnp.arange(blocks, dtype=jnp.int32)[:, None]  # [blocks, 1]: this program's blocks
     groups = []  # per column group: the clamped column indices [1, w] (w a power of two) and which are real
     for start, width in _column_groups(di, rd):
-        lane = jnp.arange(_pow2(max(width, 1)), dtype=jnp.int32)[None, :]
+        lane = jnp.arange(pow2_ceil(max(width, 1)), dtype=jnp.int32)[None, :]
         groups.append((start + jnp.minimum(lane, max(width, 1) - 1), lane < width))
 
     # each block's r raw keys, one load per key and column group; blocks past the page table read some page:
@@ -256,7 +252,7 @@ def _block_scores(cfg: ModelConfig, index_q, index_pages, page_table, k_norm, *,
     r = cfg.indexer_compress_ratio
     n_blocks = page_table.shape[1] * page // r
     programs = -(-n_blocks // blocks)
-    rows = _pow2(t_new)
+    rows = pow2_ceil(t_new)
     kernel = partial(_scores_kernel, r=r, ni=ni, di=di, rd=cfg.rotary_dim, eps=cfg.rms_norm_eps, t_new=t_new,
                      rows=rows, blocks=blocks, page=page, n_pages=n_pages, max_pages=page_table.shape[1])
     args = (index_q.reshape(-1), index_pages.reshape(-1), page_table.astype(jnp.int32).reshape(-1), k_norm,

@@ -13,15 +13,16 @@ small kernels:
     S [dk, dv], updated in place (the state buffer is aliased in and out; blocks are disjoint):
         S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q.
 The column blocks keep a program's share of the state small (dk x BV floats: registers, not spills) and give
-the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel. The conv
-state's shift by one row also stays in XLA (gated_deltanet's _decode_kernel), as an in-place update of the
-state's rows fused with the computation of the new rows: in the kernel, programs of one key head's group
-read that head's conv rows while one of them would write the shifted rows (a race in place), and a fresh
-output would cost XLA a device copy per layer to put it back into the whole state. The states may hold more
-rows than the step has sequences (a decode bucket runs the first B of the engine's slots): the kernel reads
-rows [0, B) of the whole buffers and updates the recurrent rows in place, where cutting the rows out would
-cost a device copy per layer and state (3 MB per row for the recurrent one at full size) and the write-back
-another, outside the CUDA graph.
+the GPU Hv dv / BV programs. The gated RMSNorm over all dv columns of o stays in XLA after the kernel.
+The kernel also writes the conv state shifted by one row (the new raw row last; a padding token's rows as they
+were) into a fresh output: each column by one program, the one that owns it (a block of v by its program, the q
+and k columns of a key head by the group's first program), since several programs read the q and k columns and
+an in-place shift would race with their reads. (XLA's own shift was a select kernel plus a copy of the state
+before it, an in-place update whose rows read other rows: 3.9 us per layer on the H100, RESULTS.md.) The
+states may hold more rows than the step has sequences (a decode bucket runs the first B of the engine's
+slots): the kernel reads rows [0, B) of the whole buffers and updates the recurrent rows in place, where
+cutting the rows out would cost a device copy per layer and state (3 MB per row for the recurrent one at full
+size) and the write-back another, outside the CUDA graph.
 It rounds where the model rounds (the conv output and SiLU to the compute dtype, o at the end). Its pure-jnp
 twin is the model's own code, gated_deltanet on one token: the CPU path and the tests' oracle (the tests run
 this kernel in interpret mode).
@@ -50,7 +51,7 @@ def takes(cfg: ModelConfig, dtype) -> bool:
 
 
 def _kernel(proj_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref,
-            o_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int, b_at: int):
+            o_ref, conv_out_ref, rec_out_ref, *, hk: int, hv: int, dk: int, bv: int, width: int, b_at: int):
     f32 = jnp.float32
     dt = o_ref.dtype
     h, c = pl.program_id(1), pl.program_id(2)  # axis 0: the sequence
@@ -59,20 +60,28 @@ def _kernel(proj_ref, live_ref, w_ref, dt_bias_ref, a_log_ref, conv_ref, rec_ref
     live = live_ref[0] > 0
     kd = hk * dk
 
-    def conv(start, n):
-        """SiLU(conv) of columns [start, start + n), rounded as the model rounds."""
+    def conv(start, n, owner):
+        """SiLU(conv) of columns [start, start + n), rounded as the model rounds; the program that owns the
+        columns writes their shifted state."""
         cols = pl.ds(start, n)
         rows = [conv_ref[r, cols] for r in range(width - 1)] + [proj_ref[0, cols]]
         acc = rows[0].astype(f32) * w_ref[cols, 0].astype(f32)
         for r in range(1, width):
             acc = acc + rows[r].astype(f32) * w_ref[cols, r].astype(f32)
+
+        @pl.when(owner)
+        def _():
+            for r in range(width - 1):
+                conv_out_ref[r, cols] = jnp.where(live, rows[r + 1].astype(conv_out_ref.dtype), rows[r])
+
         y = acc.astype(dt).astype(f32)
         return (y * jax.nn.sigmoid(y)).astype(dt)
 
     v_start = 2 * kd + h * (bv * pl.num_programs(2)) + c * bv
-    q = conv(j * dk, dk)
-    k = conv(kd + j * dk, dk)
-    v = conv(v_start, bv)
+    first = (h % group == 0) & (c == 0)  # the program that writes the key head's q and k columns
+    q = conv(j * dk, dk, first)
+    k = conv(kd + j * dk, dk, first)
+    v = conv(v_start, bv, True)
 
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     qf = qf * jax.lax.rsqrt(jnp.sum(qf * qf) + _L2_EPS) * (dk ** -0.5)
@@ -97,10 +106,10 @@ def recurrent_step(cfg: ModelConfig, proj: Array, live: Array, conv_w: Array,
     """One token of each of B sequences: proj [B, C + Hv dv + 2 Hv] the stacked input projection (the raw qkv
     row, z, b, a; z is not read), live [B] int32 (0: a padding token),
     the layer's conv1d [C, K], dt_bias and A_log [Hv], conv_state [N, K-1, C], recurrent [N, Hv, dk, dv]
-    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the new recurrent state [N, ...]). Sequence i
-    owns row i of both states; rows B..N-1 (the slots outside a decode bucket) are not read, and the recurrent
-    ones stay as they are: that buffer is updated in place. The conv state is only read (its shift by one row
-    is the caller's, see the module docstring). interpret: run in Pallas interpret mode (default: on anything
+    float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the conv state after the token [B, K-1, C]
+    (a fresh buffer), the new recurrent state [N, ...]). Sequence i owns row i of both states; rows B..N-1 (the
+    slots outside a decode bucket) are not read, and the recurrent ones stay as they are: that buffer is
+    updated in place. interpret: run in Pallas interpret mode (default: on anything
     but a GPU); block_v: value columns per program (clipped to dv)."""
     return _recurrent_step(cfg, proj, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
@@ -132,12 +141,13 @@ def _recurrent_step(cfg: ModelConfig, proj, live, conv_w, dt_bias, a_log, conv_s
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, hv, dv), proj.dtype),
+                   jax.ShapeDtypeStruct((rows,) + conv_state.shape[1:], conv_state.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
         grid=(rows, hv, dv // block_v),
         in_specs=[seq((1, width)), seq((1,)), whole(conv_w.shape), whole(dt_bias.shape), whole(a_log.shape),
                   conv_spec, rec_spec],
-        out_specs=(seq((hv, dv)), rec_spec),
-        input_output_aliases={6: 1},
+        out_specs=(seq((hv, dv)), conv_spec, rec_spec),
+        input_output_aliases={6: 2},
         compiler_params=compiler_params(interpret, warps),
         interpret=interpret, name="gdn_decode",
     )(proj[:, None], live[:, None], conv_w, dt_bias, a_log, conv_state, recurrent)

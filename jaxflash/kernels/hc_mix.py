@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu
+from . import compiler_params, on_gpu, pow2_divisor
 
 Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
@@ -51,14 +51,6 @@ FASTER_ROWS = 1
 BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """The largest power of two <= cap that divides n."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def _pieces(n: int, cap: int) -> tuple[tuple[int, int], ...]:
     """[0, n) as (start, size) runs whose sizes are powers of two <= cap, largest first."""
     out, at = [], 0
@@ -73,7 +65,7 @@ def _chunk(hidden: int, rows: int, block_r: int, warps: int) -> int:
     """Columns per load of the down kernel: a power of two dividing the stream width, at most _CHUNK, and small
     enough that the rows' accumulators [block_r, chunk] stay in registers."""
     cap = _ACC_PER_THREAD * 32 * warps // (rows * block_r)
-    return _pow2_divisor(hidden, max(16, min(_CHUNK, cap)))
+    return pow2_divisor(hidden, max(16, min(_CHUNK, cap)))
 
 
 def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R, block_h: int = BLOCK_H,

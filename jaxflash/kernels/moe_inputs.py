@@ -27,16 +27,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import compiler_params, on_gpu
+from . import compiler_params, on_gpu, pow2_ceil
 
 Array = jax.Array
 MAX_ROWS = 64  # token rows the kernel takes (a program per row and part); more rows (prefill) take XLA's route
 PIECE = 128  # columns of the shared expert's activation per program
 WARPS = 1  # a warp holds a row's logits (16 per thread at E = 512): the k rounds' reductions need no barrier
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def takes(rows: int, dtype) -> bool:
@@ -53,7 +49,7 @@ def _kernel(proj_ref, ids_ref, w_ref, gate_ref, act_ref, *, experts: int, shared
 
     @pl.when(part == 0)
     def _route():
-        lane = jnp.arange(_pow2(experts), dtype=jnp.int32)
+        lane = jnp.arange(pow2_ceil(experts), dtype=jnp.int32)
         z = proj_ref[row + jnp.minimum(lane, experts - 1)].astype(f32)
         z = jnp.where(lane < experts, z, -jnp.inf)
         e = jnp.exp(z - jnp.max(z))
@@ -95,7 +91,7 @@ def moe_inputs(proj: Array, experts: int, shared: int, k: int, norm_topk_prob: b
                          f"{proj.dtype}{list(proj.shape)}, k={k}")
     interpret = not on_gpu() if interpret is None else interpret
     return _moe_inputs(proj, experts=experts, shared=shared, k=k, norm=bool(norm_topk_prob), interpret=interpret,
-                       piece=min(piece, _pow2(shared)), warps=warps)
+                       piece=min(piece, pow2_ceil(shared)), warps=warps)
 
 
 @partial(jax.jit, static_argnames=("experts", "shared", "k", "norm", "interpret", "piece", "warps"))

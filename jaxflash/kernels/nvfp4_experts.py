@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu
+from . import compiler_params, on_gpu, pow2_ceil, pow2_divisor
 
 Array = jax.Array
 NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
@@ -147,19 +147,12 @@ class Tiles:
     x_scale: str = "chunk"  # f16x2: the inputs' power of two per "chunk" of a walk, or per "row" (one pre-pass)
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def fit_tiles(place: Placement, t: Tiles) -> Tiles:
     """The tiles clamped to the shapes (tiny test models have H, I far under the defaults)."""
     h, i = place.hidden, place.inter
-    return Tiles(rows_gu=_pow2_divisor(i, t.rows_gu), rows_down=_pow2_divisor(h, t.rows_down),
-                 chunk_gu=max(_BYTES_PER_GROUP, _pow2_divisor(h // 2, t.chunk_gu)),
-                 chunk_down=max(_BYTES_PER_GROUP, _pow2_divisor(i // 2, t.chunk_down)),
+    return Tiles(rows_gu=pow2_divisor(i, t.rows_gu), rows_down=pow2_divisor(h, t.rows_down),
+                 chunk_gu=max(_BYTES_PER_GROUP, pow2_divisor(h // 2, t.chunk_gu)),
+                 chunk_down=max(_BYTES_PER_GROUP, pow2_divisor(i // 2, t.chunk_down)),
                  warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math,
                  x_scale=t.x_scale)
 
@@ -178,10 +171,6 @@ def resolve_math(t: Tiles, dtype) -> str:
 
 
 # ----- in-kernel pieces ------------------------------------------------------------------------------------------
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _i32(v):
     return jnp.asarray(v, jnp.int32)
 
@@ -190,7 +179,7 @@ def _group(ids_ref, p, n_tok: int, k: int):
     """For the expert e of pair p: (e, whether p is its first pair, and per token n (Python lists of scalars):
     whether n chose e, and the pair n*k + j where it did). Triton has no element access into a block, so
     every per-token value is its own reduction."""
-    npad, kpad = _pow2(n_tok), _pow2(k)
+    npad, kpad = pow2_ceil(n_tok), pow2_ceil(k)
     tok = jnp.arange(npad, dtype=jnp.int32)[:, None]
     col = jnp.arange(kpad, dtype=jnp.int32)[None, :]
     inside = (tok < n_tok) & (col < k)

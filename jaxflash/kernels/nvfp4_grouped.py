@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, dot, on_gpu
-from .nvfp4_experts import _TWO14, NVFP4_GROUP, Part, Placement, _global_scale, _pow2_divisor, _unpack, is_nvfp4
+from . import compiler_params, dot, on_gpu, pow2_divisor
+from .nvfp4_experts import _TWO14, NVFP4_GROUP, Part, Placement, _global_scale, _unpack, is_nvfp4
 
 Array = jax.Array
 _BYTES_PER_GROUP = NVFP4_GROUP // 2
@@ -55,8 +55,8 @@ class GroupTiles:
     stages: int = 2
 
     def fit(self, place: Placement) -> GroupTiles:
-        return GroupTiles(_pow2_divisor(place.inter, self.rows_gu), _pow2_divisor(place.hidden // 2, self.bytes_gu),
-                          _pow2_divisor(place.hidden, self.rows_down), _pow2_divisor(place.inter // 2, self.bytes_down),
+        return GroupTiles(pow2_divisor(place.inter, self.rows_gu), pow2_divisor(place.hidden // 2, self.bytes_gu),
+                          pow2_divisor(place.hidden, self.rows_down), pow2_divisor(place.inter // 2, self.bytes_down),
                           self.warps, self.stages)
 
 

@@ -80,8 +80,7 @@ class GDNPendingBatch:
 
 def conv_window(hist: Array, n: Array | int, width: int) -> Array:
     """The conv state after the first n new rows of hist = [the conv state (width rows); the new rows]: its rows
-    n .. n + width - 1. (The decode kernel's path writes the same for one new row as a select, see
-    _decode_kernel.)"""
+    n .. n + width - 1. (For one new row the decode kernel writes the same, see _decode_kernel.)"""
     return lax.dynamic_slice_in_dim(hist, n, width, axis=0)
 
 
@@ -303,15 +302,11 @@ def _decode_kernel(p: GatedDeltaNet, cfg: ModelConfig, x: Array, state: GDNState
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     live = (n_valid > 0).astype(jnp.int32)
     proj = linear_rows(x, p.in_proj)  # the kernel reads qkv, b and a in place
-    qkv_raw, z, _, _ = jnp.split(proj, list(p._edges()), axis=-1)
-    o, recurrent = gdn_decode.recurrent_step(cfg, proj, live, p.conv1d, p.dt_bias, p.A_log, state.conv,
-                                             state.recurrent)
+    _, z, _, _ = jnp.split(proj, list(p._edges()), axis=-1)
+    # the kernel returns conv_window of [old rows; the new row] at n = live (a padding token keeps its rows)
+    o, conv, recurrent = gdn_decode.recurrent_step(cfg, proj, live, p.conv1d, p.dt_bias, p.A_log, state.conv,
+                                                   state.recurrent)
     z = z.reshape(b, hv, dv)
     o = rms_norm_gated(o, z, p.norm, cfg.rms_norm_eps, cfg.output_gate_type)
     y = linear_rows(o.reshape(b, hv * dv), p.out_proj)[:, None]
-    # conv_window of [old rows; the new row] at n = live, as a select that XLA fuses with the new row's
-    # computation (a padding token keeps its rows); written in place
-    old = state.conv[:b]
-    shifted = jnp.concatenate([old[:, 1:], qkv_raw[:, None].astype(old.dtype)], axis=1)
-    conv = jnp.where(live[:, None, None] > 0, shifted, old)
     return y, _put_rows(state, GDNState(conv=conv, recurrent=recurrent))
