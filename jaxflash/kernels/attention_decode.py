@@ -186,7 +186,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, gate_ref, o_ref, *, n_kv: int, n_spli
 
     @pl.when(row < t_new * g)  # padding rows of the query block are not outputs
     def _():
-        split = jnp.arange(pow2_ceil(n_splits, 1), dtype=jnp.int32)  # Triton blocks: a power of two, masked
+        split = jnp.arange(pow2_ceil(n_splits), dtype=jnp.int32)  # Triton blocks: a power of two, masked
         real = split < n_splits
         at = ((i * n_kv + h) * n_splits + jnp.minimum(split, n_splits - 1)) * m_rows + row  # the row's, per split
         m, l = jnp.where(real, m_ref[at], -jnp.inf), jnp.where(real, l_ref[at], 0.0)

@@ -109,8 +109,8 @@ def recurrent_step(cfg: ModelConfig, proj: Array, live: Array, conv_w: Array,
     float32 with N >= B -> (o [B, Hv, dv] before the gated norm, the conv state after the token [B, K-1, C]
     (a fresh buffer), the new recurrent state [N, ...]). Sequence i owns row i of both states; rows B..N-1 (the
     slots outside a decode bucket) are not read, and the recurrent ones stay as they are: that buffer is
-    updated in place. interpret: run in Pallas interpret mode (default: on anything
-    but a GPU); block_v: value columns per program (clipped to dv)."""
+    updated in place. interpret: run in Pallas interpret mode (default: on anything but a GPU); block_v: value
+    columns per program (clipped to dv)."""
     return _recurrent_step(cfg, proj, live, conv_w, dt_bias, a_log, conv_state, recurrent,
                            interpret=not on_gpu() if interpret is None else interpret, warps=warps,
                            block_v=min(block_v, cfg.linear_value_head_dim))
