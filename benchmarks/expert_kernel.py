@@ -156,10 +156,8 @@ def main(argv=None) -> int:
                          "(0 lanes, 0 blocks: automatic)")
     ap.add_argument("--sweep", default="none",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
-                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale[:pdl[:rows_sum:warps_sum]]]]];... "
-                         "(math: f32, f16x2, auto; x_scale: chunk, row; pdl: 1 or 0, the down kernel launched while "
-                         "gate_up runs or after it: compare wall_us, since a kernel's traced time includes its wait; "
-                         "rows_sum: one token's down kernel sums the experts, 0: the pair kernel and XLA's sum)")
+                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale]]];... (math: f32, f16x2, "
+                         "auto; x_scale: chunk, row)")
     ap.add_argument("--sweep-budget", type=float, default=300,
                     help="seconds for the sweep: configurations left when it is spent are skipped (and listed)")
     ap.add_argument("--out", default=None)
@@ -287,7 +285,7 @@ def main(argv=None) -> int:
             with jax.profiler.trace(tdir, create_perfetto_trace=True):
                 for _ in range(3):
                     fn(arg0, x, ids, w).block_until_ready()
-            from trace_parts import busy_us, gpu_kernels
+            from trace_parts import gpu_kernels
 
             events = gpu_kernels(tdir)  # read and parse the trace once for every figure below
             names = {"pallas": ("nvfp4_gate_up", "nvfp4_down"), "cuda": ("nvfp4_moe_gate_up", "nvfp4_moe_down")}
@@ -301,9 +299,8 @@ def main(argv=None) -> int:
                                         for ev in events if match(ev.get("name", ""))})
                 out["gate_up_us"] = kernel_time_us(events, lambda n: gu in n)[0] / 3 / L
                 out["down_us"] = kernel_time_us(events, lambda n: dn in n)[0] / 3 / L
-            # busy: the union of the kernels' intervals (kernels launched early overlap their producer)
             out.update(kernels_us=us / 3 / L, kernels_per_layer=cnt / 3 / L, all_kernels_us=allk / 3 / L,
-                       all_kernels_per_layer=allc / 3 / L, busy_us=busy_us(events) / 3 / L)
+                       all_kernels_per_layer=allc / 3 / L)
         return out
 
     def distinct(ids_np):
@@ -361,9 +358,8 @@ def main(argv=None) -> int:
                     continue
                 log(f"{impl} sweep {tiles} {c}: kernels {r.get('kernels_us', float('nan')):.1f} us/layer (gate_up "
                     f"{r.get('gate_up_us', float('nan')):.1f}, down {r.get('down_us', float('nan')):.1f}), wall "
-                    f"{r['wall_us']:.1f} us/layer, GPU busy {r.get('busy_us', float('nan')):.1f} us/layer, "
-                    f"{r['frac'] * 100:.0f}% of copy ceiling; launches {r.get('launch')}")
-                key = r.get("busy_us", r["wall_us"])  # with early launches the kernels overlap: not their sum
+                    f"{r['wall_us']:.1f} us/layer, {r['frac'] * 100:.0f}% of copy ceiling; launches {r.get('launch')}")
+                key = r.get("kernels_us", r["wall_us"])
                 if c not in best or key < best[c][0]:
                     best[c] = (key, tiles)
         return best
@@ -371,10 +367,7 @@ def main(argv=None) -> int:
     def pallas_tiles(g):
         return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
                        unroll=g[6] if len(g) > 6 else K.Tiles().unroll, math=g[7] if len(g) > 7 else K.Tiles().math,
-                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale,
-                       pdl=bool(g[9]) if len(g) > 9 else K.Tiles().pdl,
-                       rows_sum=g[10] if len(g) > 10 else K.Tiles().rows_sum,
-                       warps_sum=g[11] if len(g) > 11 else K.Tiles().warps_sum)
+                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
 
     best = run_sweep("pallas", [pallas_tiles(g) for g in grid], time.perf_counter() + args.sweep_budget)
     chosen = best.get("b1", (None, K.Tiles()))[1]

@@ -88,7 +88,7 @@ def test_mix_matches_twin(dt, inject):
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_r=8, block_h=16, splits=5), dict(block_r=2, splits=5),
-                                   dict(up_warps=4, r_piece=256), dict(pdl=False)])
+                                   dict(up_warps=4, r_piece=256)])
 def test_full_size_mix_matches_twin(tiles):
     """Full-size shapes (several loads per program; a stream's columns split over programs), with and without
     a pending combine."""

@@ -40,39 +40,3 @@ def pow2_divisor(n: int, cap: int) -> int:
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
     return d
-
-
-# Programmatic dependent launch (Hopper; XLA's command buffer launches Pallas kernels so, benchmarks/pdl_probe.py).
-# A producer that calls `launch_dependents` lets the next kernel start while it still runs; that kernel issues the
-# loads that need nothing from the producer (its weights), then `wait_for_producer` until the producer has ended
-# and its writes are visible, and only then reads the producer's outputs. Both return an int32 zero that the
-# caller adds to an index: the compiler treats the instructions as pure, so a data dependence is what keeps the
-# trigger before the loads that use it and the producer's reads after the wait. In interpret mode (no GPU) both
-# are plain zeros.
-_TRIGGER_PTX = "griddepcontrol.launch_dependents;\nmov.b32 $0, $1;"
-_WAIT_PTX = "griddepcontrol.wait;\nmov.b32 $0, $1;"
-
-
-def _grid_dependency(ptx: str, interpret: bool, tie=None):
-    import jax.numpy as jnp
-
-    if interpret:
-        return jnp.int32(0) if tie is None else tie
-    from jax.experimental.pallas import triton as plgpu
-
-    v = jnp.zeros((1,), jnp.int32) if tie is None else jnp.reshape(tie, (1,))
-    [r] = plgpu.elementwise_inline_asm(ptx, args=[v], constraints="=r,r", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return jnp.sum(r)
-
-
-def launch_dependents(interpret: bool):
-    """Let the next kernel launch now (it must wait_for_producer before reading this kernel's outputs); an int32
-    zero to add to the index of the kernel's first loads."""
-    return _grid_dependency(_TRIGGER_PTX, interpret)
-
-
-def wait_for_producer(interpret: bool, tie=None):
-    """Block until the kernels this one depends on have ended; an int32 zero to add to the index of every load of
-    their outputs. tie: a value (e.g. launch_dependents') the wait must come after."""
-    return _grid_dependency(_WAIT_PTX, interpret, tie)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, launch_dependents, on_gpu, pow2_divisor, wait_for_producer
+from . import compiler_params, on_gpu, pow2_divisor
 
 Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
@@ -49,9 +49,6 @@ FASTER_ROWS = 1
 # kernel, warps of the up kernel (2 rather than the down kernel's 4: 9.2 us per mix against 10.9).
 # R_PIECE: bottleneck columns per load of the up kernel, at most (the rank is read in power-of-two pieces).
 BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
-# The up kernel starts while the down kernel runs and loads its weights before it waits for the partials
-# (programmatic dependent launch, kernels.launch_dependents): the two kernels' weight reads overlap.
-PDL = True
 
 
 def _pieces(n: int, cap: int) -> tuple[tuple[int, int], ...]:
@@ -83,15 +80,13 @@ def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R
 
 
 def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
-                 rows: int, hidden: int, block_r: int, chunk: int, splits: int, pdl: bool, interpret: bool):
+                 rows: int, hidden: int, block_r: int, chunk: int, splits: int):
     f32 = jnp.float32
     i, c = pl.program_id(0), pl.program_id(1)
     s = c // splits
     n_down = down_ref.shape[0] // block_r  # programs of down's rows; the next one (if any) takes inject's
     loads = hidden // chunk // splits
     first = s * hidden + (c % splits) * (loads * chunk)  # this split's first column
-    if pdl:  # the up kernel may start now: it reads this kernel's outputs only after waiting for its end
-        first = first + launch_dependents(interpret)
 
     def residual(n, k):
         """Row n of h over the split's k-th chunk of columns, after the pending combine (written out once)."""
@@ -148,21 +143,18 @@ def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref,
 
 
 def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
-               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float, pdl: bool,
-               interpret: bool):
+               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float):
     f32 = jnp.float32
     j = pl.program_id(0)
 
-    # The weights first (they do not depend on the down kernel: with pdl they load while it still runs).
+    # The weights first (they do not depend on the partials, whose loads and arithmetic then overlap theirs).
     cols = [pl.ds(s * hidden + j * block_h, block_h) for s in range(streams)]
     ws = [[up_ref[cols[s], pl.ds(r0, size)] for r0, size in pieces] for s in range(streams)]
     gs = [norm_ref[c] for c in cols]
-    # Then the down kernel's outputs (the partials, and h when the combine ran there), after it has ended.
-    tie = wait_for_producer(interpret) if pdl else 0
-    hs = [[h_ref[n, pl.ds(s * hidden + j * block_h + tie, block_h)] for s in range(streams)] for n in range(rows)]
+    hs = [[h_ref[n, c] for c in cols] for n in range(rows)]
 
     def over_splits(ref, n, s, idx=()):  # the stream's partials, summed over its splits
-        return sum(ref[(n, s * splits + k + tie) + idx] for k in range(splits))
+        return sum(ref[(n, s * splits + k) + idx] for k in range(splits))
 
     rstd = [[jax.lax.rsqrt(over_splits(ss_ref, n, s) / hidden + eps) for s in range(streams)]
             for n in range(rows)]
@@ -195,23 +187,22 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
         block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS,
-        up_warps: int = UP_WARPS, r_piece: int = R_PIECE, pdl: bool = PDL):
+        up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]) or
     (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
     (hyper_connection.combine); the returned h is then the combined one, else h itself.
-    interpret: run in Pallas interpret mode (default: on anything but a GPU). pdl: the up kernel loads its
-    weights while the down kernel runs (see PDL)."""
+    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
-                warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece, pdl=pdl)
+                warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
 
 
 @partial(jax.jit, static_argnames=("streams", "eps", "x_dtype", "interpret", "block_r", "block_h", "warps",
-                                   "splits", "up_warps", "r_piece", "pdl"))
+                                   "splits", "up_warps", "r_piece"))
 def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtype, interpret: bool, block_r: int,
-         block_h: int, warps: int, splits: int, up_warps: int, r_piece: int, pdl: bool):
+         block_h: int, warps: int, splits: int, up_warps: int, r_piece: int):
     rows, width = h.shape
     rank = down.shape[0]
     hidden = width // streams
@@ -226,9 +217,9 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     if fused and n_y not in (1, 3):
         raise ValueError(f"hc_mix: pending is (inj0, y) or (inj0, routed, shared, gate), got {len(pending)} arrays")
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
-                          chunk=_chunk(hidden, rows, block_r, warps), splits=splits, pdl=pdl, interpret=interpret)
+                          chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
     up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h,
-                        pieces=_pieces(rank, r_piece), splits=splits, eps=eps, pdl=pdl, interpret=interpret)
+                        pieces=_pieces(rank, r_piece), splits=splits, eps=eps)
 
     # Pallas passes refs positionally: inputs, then outputs. Absent ones (no pending combine, no injection
     # weights: the final mixer) are None in the kernels.

@@ -30,11 +30,8 @@ Why this shape:
         float16 bit pattern (the value times 2^-14, exactly, the 0.5 included as a subnormal), converted to
         float32, multiplied and summed in float32.
     The 2^-6 or 2^-14 is folded into the FP8 block scale.
-  * The sum over the top-k: for one token the down kernel computes it (`_down_sum_kernel`: each program owns
-    a block of output rows of all k experts and sums them in order, so no atomics and a deterministic result);
-    for more tokens the down kernel writes each pair's output and XLA sums them.
-  * The down kernel is launched while gate_up runs (programmatic dependent launch, kernels.launch_dependents):
-    its programs request their weight tiles, then wait for gate_up to end before they read the activations.
+  * The sum over the top-k is left to XLA (one small fusion with the shared expert's add): a per-pair output
+    keeps the result deterministic, where an in-kernel atomic sum would not be.
 
 jax 0.11 warns that the Pallas Triton backend is deprecated; the routes after it are Mosaic GPU (no FP4
 conversion on Hopper, but the integer unpacking here needs none) or Triton through jax-triton.
@@ -54,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, launch_dependents, on_gpu, pow2_ceil, pow2_divisor, wait_for_producer
+from . import compiler_params, on_gpu, pow2_ceil, pow2_divisor
 
 Array = jax.Array
 NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
@@ -148,13 +145,6 @@ class Tiles:
     unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
     math: str = "auto"  # "f32", "f16x2" (see _f16x2_products), "auto": f16x2 for bfloat16 tokens
     x_scale: str = "chunk"  # f16x2: the inputs' power of two per "chunk" of a walk, or per "row" (one pre-pass)
-    # The down kernel starts while gate_up runs (programmatic dependent launch, kernels.launch_dependents) and
-    # loads its weights, all of a program's at once, before it waits for the activations.
-    pdl: bool = True
-    # A step of one token sums its k experts' outputs in the down kernel itself (`_down_sum_kernel`): programs of
-    # `rows_sum` output rows over all k experts, `warps_sum` warps; 0 keeps the per-pair kernel and XLA's sum.
-    rows_sum: int = 0
-    warps_sum: int = 4
 
 
 def fit_tiles(place: Placement, t: Tiles) -> Tiles:
@@ -164,8 +154,7 @@ def fit_tiles(place: Placement, t: Tiles) -> Tiles:
                  chunk_gu=max(_BYTES_PER_GROUP, pow2_divisor(h // 2, t.chunk_gu)),
                  chunk_down=max(_BYTES_PER_GROUP, pow2_divisor(i // 2, t.chunk_down)),
                  warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math,
-                 x_scale=t.x_scale, pdl=t.pdl, rows_sum=pow2_divisor(h, t.rows_sum) if t.rows_sum > 0 else 0,
-                 warps_sum=t.warps_sum)
+                 x_scale=t.x_scale)
 
 
 MATHS = ("auto", "f32", "f16x2")
@@ -404,8 +393,6 @@ def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int,
     groups = chunk // _BYTES_PER_GROUP
     half_h = place.hidden // 2
     row0 = pl.program_id(1) * rows
-    if t.pdl:  # the down kernel may start now: it reads the activations only after this kernel has ended
-        row0 = row0 + launch_dependents(interpret)
     dt = act_ref.dtype
     load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
                         (place.gate_scale, place.up_scale), _fold(t))
@@ -439,64 +426,25 @@ def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, 
     row0 = pl.program_id(1) * rows
     load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,), _fold(t))
     dot = _products(t, interpret)
-    steps = half_i // chunk
 
     for r in range(n_tok):
         @pl.when(first & hit[r])
         def _():
-            if t.pdl:  # every weight tile requested while gate_up may still run, then the wait for its end
-                tiles = [load(step) for step in range(steps)]
-                tie = wait_for_producer(interpret)
-                walk = dict(steps=steps, unroll=steps, load=lambda step: tiles[step])
-            else:
-                tie, walk = 0, dict(steps=steps, unroll=t.unroll, load=load)
-            row = pair[r] + tie  # the activations' row: read after the wait
-            xs = _input_scale(t, act_ref, row, steps, chunk, groups)
+            xs = _input_scale(t, act_ref, pair[r], half_i // chunk, chunk, groups)
 
             def compute(tile, step, acc):
                 (dw,), (sc,) = tile
-                ae, ao = _inputs(act_ref, row, step * chunk, groups)
+                ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
                 return acc + dot(dw, sc, ae, ao, xs)
 
-            acc = _walk(**walk, compute=compute, acc=jnp.zeros((rows, groups), jnp.float32))
+            acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
             y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
             y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
 
 
-def _down_sum_kernel(ids_ref, act_ref, wts_ref, *refs, place: Placement, k: int, t: Tiles, interpret: bool):
-    """One token: out[rows] = sum_j wts[j] * y_j[rows] in float32, summed in the order of j, y_j = down_{ids[j]}
-    act[j] rounded as the pair kernel rounds it. A program takes `rows_sum` output rows of all k experts and
-    requests every weight tile (k x I/2/chunk of them) before any arithmetic."""
-    *w, out_ref = refs
-    rows, chunk = t.rows_sum, t.chunk_down
-    groups = chunk // _BYTES_PER_GROUP
-    steps = place.inter // 2 // chunk
-    row0 = pl.program_id(0) * rows
-    es = [ids_ref[j] for j in range(k)]
-    tiles = []
-    for e in es:
-        load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,), _fold(t))
-        tiles.append([load(step) for step in range(steps)])
-    tie = wait_for_producer(interpret) if t.pdl else 0  # the activations only after gate_up has ended
-    dot = _products(t, interpret)
-    out = jnp.zeros((rows,), jnp.float32)
-    for j, e in enumerate(es):
-        row = _i32(j) + tie
-        xs = _input_scale(t, act_ref, row, steps, chunk, groups)
-        acc = jnp.zeros((rows, groups), jnp.float32)
-        for step, ((dw,), (sc,)) in enumerate(tiles[j]):
-            ae, ao = _inputs(act_ref, row, step * chunk, groups)
-            acc = acc + dot(dw, sc, ae, ao, xs)
-        y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(act_ref.dtype).astype(jnp.float32)
-        out = out + wts_ref[j] * y
-    out_ref[0, row0 + jnp.arange(rows, dtype=jnp.int32)] = out
-
-
 # ----- entry point -----------------------------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("place", "tiles", "interpret"))
-def _routed(x, ids, w, operands, place: Placement, tiles: Tiles, interpret: bool):
-    """sum_j w[n, j] y[n, j] float32 [N, H]: gate_up, then the per-pair down kernel and XLA's sum, or for one
-    token (Tiles.rows_sum > 0) the down kernel that sums."""
+def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
     n_tok, k = ids.shape
     pairs = n_tok * k
     t = fit_tiles(place, tiles)
@@ -510,14 +458,6 @@ def _routed(x, ids, w, operands, place: Placement, tiles: Tiles, interpret: bool
         compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
         interpret=interpret, name="nvfp4_gate_up",
     )(flat, x, *operands)
-    if n_tok == 1 and t.rows_sum:
-        return pl.pallas_call(
-            partial(_down_sum_kernel, place=place, k=k, t=t, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((1, place.hidden), jnp.float32),
-            grid=(place.hidden // t.rows_sum,),
-            compiler_params=compiler_params(interpret, t.warps_sum, t.stages),
-            interpret=interpret, name="nvfp4_down_sum",
-        )(flat, act, w.reshape(-1).astype(jnp.float32), *operands)
     y = pl.pallas_call(
         partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
@@ -525,7 +465,7 @@ def _routed(x, ids, w, operands, place: Placement, tiles: Tiles, interpret: bool
         compiler_params=compiler_params(interpret, t.warps_down, t.stages),
         interpret=interpret, name="nvfp4_down",
     )(flat, act, *operands)
-    return jnp.einsum("nkh,nk->nh", y.reshape(n_tok, k, place.hidden).astype(jnp.float32), w.astype(jnp.float32))
+    return y.reshape(n_tok, k, place.hidden)
 
 
 def choose_route(route: str) -> str:
@@ -584,10 +524,13 @@ def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids:
         arg, offset = cuda_parts(place, operands)
         y = nvfp4_moe.expert_pairs(x, ids, tuple(operands), arg, offset, place.inter,
                                    cuda_tiles or nvfp4_moe.CudaTiles())
-        return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w.astype(jnp.float32))
-    if ids.shape[0] > MAX_TOKENS:
-        raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
-    return _routed(x, ids, w, tuple(operands), place, tiles, not on_gpu() if interpret is None else interpret)
+    else:
+        if ids.shape[0] > MAX_TOKENS:
+            raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
+        if interpret is None:
+            interpret = not on_gpu()
+        y = _pairs(x, ids, tuple(operands), place, tiles, interpret)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w.astype(jnp.float32))
 
 
 def kernel_bytes(place: Placement, distinct: int) -> int:
