@@ -549,6 +549,19 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
         run.check()
         return True
 
+    async def begin_stream(run: Run) -> bool:
+        """Start a streaming request (Run.start). False, with the run closed, when its client went away
+        first; a failure before the first token closes it and raises (a plain HTTP error, not a broken stream)."""
+        try:
+            await run.start()
+        except BaseException:
+            run.close()
+            raise
+        if run.gone():
+            run.close()
+            return False
+        return True
+
     def stream_error(path: str, status: int, message: str) -> dict:
         if _anthropic_path(path):
             return {"event": "error", "data": json.dumps(P.anthropic_error(status, message))}
@@ -634,13 +647,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                                  else None, "finish_reason": finish_reason()}], "usage": usage()}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        try:
-            await run.start()
-        except BaseException:
-            run.close()
-            raise
-        if run.gone():
-            run.close()
+        if not await begin_stream(run):
             return Response(status_code=499)
 
         def chunk(delta: dict, finish=None, logprobs=None):
@@ -751,13 +758,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                                  "finish_reason": finish_reason()}], "usage": usage()}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        try:
-            await run.start()
-        except BaseException:
-            run.close()
-            raise
-        if run.gone():
-            run.close()
+        if not await begin_stream(run):
             return Response(status_code=499)
 
         def chunk(text: str, finish=None, logprobs=None):
@@ -906,13 +907,7 @@ def create_app(load: Callable[[], Any], *, model_name: str, api_key: str | None 
                     "stop_reason": stop_reason(), "stop_sequence": parser.stop_hit,
                     "usage": {"input_tokens": n_prompt, "output_tokens": run.tokens}}
 
-        try:
-            await run.start()
-        except BaseException:
-            run.close()
-            raise
-        if run.gone():
-            run.close()
+        if not await begin_stream(run):
             return Response(status_code=499)
 
         def event(kind: str, data: dict) -> dict:
