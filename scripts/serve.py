@@ -99,13 +99,17 @@ def main(argv=None) -> int:
                                            log_level=args.log_level))
     try:
         server.run()
+        status = 1 if failed or not server.started else 0
     except KeyboardInterrupt:  # Ctrl-C or SIGINT: uvicorn has shut down and re-raises it; no traceback
+        status = 130
+    if app.state.jaxflash.worker is None:
+        # Still loading or compiling (or failed to): the exit would wait for those threads, and an interpreter
+        # finalised under a thread inside XLA aborts. (A SIGINT that the process inherited as ignored, e.g. from a
+        # script's background job, stops uvicorn without a KeyboardInterrupt and also ends here.)
         sys.stdout.flush()
         sys.stderr.flush()
-        if app.state.jaxflash.worker is None:  # still loading or compiling: those threads would hold the exit
-            os._exit(130)
-        return 130
-    return 1 if failed or not server.started else 0
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":
