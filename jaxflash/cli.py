@@ -2,8 +2,8 @@
 logging, the compilation cache, and one-line errors.
 
 A tool's main() wraps its work in `errors_exit()`: an expected failure (a bad path, a model that cannot be
-planned or loaded, a bad value) prints `error: <message>` and exits with status 2, without a traceback
-(JAXFLASH_DEBUG=1 shows it).
+planned or loaded, a bad value) prints `error: <message>` and exits with status 2, and Ctrl-C ends the tool at
+once with status 130, both without a traceback (JAXFLASH_DEBUG=1 shows it).
 """
 
 from __future__ import annotations
@@ -88,11 +88,24 @@ def setup(level: str = "warning", compile_cache: str | None = None) -> None:
     enable_compilation_cache(compile_cache)
 
 
+def exit_now(status: int):
+    """End the process with `status` at once, output flushed. A normal exit would first wait for the engine's
+    compilation threads, and an interpreter finalised while a thread is inside XLA can abort ('FATAL: exception
+    not rethrown')."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 @contextlib.contextmanager
 def errors_exit():
-    """Turn a user-caused failure into `error: ...` on stderr and exit status 2."""
+    """Turn a user-caused failure into `error: ...` on stderr and exit status 2, Ctrl-C into exit status 130."""
     try:
         yield
+    except KeyboardInterrupt:
+        if os.environ.get("JAXFLASH_DEBUG"):
+            raise
+        exit_now(130)
     except USER_ERRORS as e:
         if os.environ.get("JAXFLASH_DEBUG"):
             raise

@@ -102,13 +102,8 @@ def main(argv=None) -> int:
         status = 1 if failed or not server.started else 0
     except KeyboardInterrupt:  # Ctrl-C or SIGINT: uvicorn has shut down and re-raises it; no traceback
         status = 130
-    if app.state.jaxflash.worker is None:
-        # Still loading or compiling (or failed to): the exit would wait for those threads, and an interpreter
-        # finalised under a thread inside XLA aborts. (A SIGINT that the process inherited as ignored, e.g. from a
-        # script's background job, stops uvicorn without a KeyboardInterrupt and also ends here.)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    if app.state.jaxflash.worker is None:  # still loading or compiling (or failed to): see cli.exit_now. Also
+        cli.exit_now(status)  # where a SIGINT inherited as ignored stopped uvicorn: then no KeyboardInterrupt comes
     return status
 
 

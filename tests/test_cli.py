@@ -109,6 +109,29 @@ def test_ctrl_c_stops_the_server_quietly(when, tmp_path, request):
     assert "Traceback" not in err
 
 
+def test_ctrl_c_stops_generate_quietly(tmp_path):
+    """SIGINT while generate.py compiles (an empty compilation cache): status 130 within seconds, no traceback."""
+    import signal
+    import time
+
+    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(tmp_path / "xla"))
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--prompt", "And God said"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    err = ""
+    deadline = time.time() + 300
+    while "[compiling" not in err and time.time() < deadline and p.poll() is None:
+        err += p.stderr.readline()
+    assert "[compiling" in err, err[-2000:]
+    time.sleep(1)
+    t = time.time()
+    p.send_signal(signal.SIGINT)
+    out, rest = p.communicate(timeout=60)
+    assert time.time() - t < 30
+    assert p.returncode == 130, rest[-2000:]
+    assert "Traceback" not in rest and out == ""
+
+
 def test_a_second_start_reads_the_compilation_cache(first_start):
     cache, r, entries, stored = first_start
     assert r.returncode == 0, r.stderr[-2000:]
