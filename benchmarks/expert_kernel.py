@@ -149,17 +149,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--routing", default="calibrated", choices=["calibrated", "uniform"])
     ap.add_argument("--cases", default="b1,b4,b8,verify4")
-    ap.add_argument("--impls", default="pallas,cuda", help="comma-separated: pallas, cuda, twin (the table's rows)")
+    ap.add_argument("--impls", default="pallas,pallas-one,cuda",
+                    help="comma-separated: pallas (two launches), pallas-one (one launch), cuda, twin (the "
+                         "table's rows)")
     ap.add_argument("--cuda-sweep", default="default",
                     help="'default' (one change at a time from the defaults, at batch 1 and 8), 'none', or "
                          "lanes_gu:lanes_down:threads_gu:threads_down:stages:blocks_gu:blocks_down:prefetch;... "
                          "(0 lanes, 0 blocks: automatic)")
     ap.add_argument("--sweep", default="none",
                     help="'default' (a small tile grid at batch 1 and 8), 'none', or rows_gu:chunk_gu:warps_gu:"
-                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale]]];... (math: f32, f16x2, "
-                         "auto; x_scale: chunk, row)")
+                         "rows_down:chunk_down:warps_down[:unroll[:math[:x_scale[:launch[:per_sm]]]]];... (math: "
+                         "f32, f16x2, auto; x_scale: chunk, row; launch: pair, one)")
     ap.add_argument("--sweep-budget", type=float, default=300,
                     help="seconds for the sweep: configurations left when it is spent are skipped (and listed)")
+    ap.add_argument("--sweep-cases", default="b1,b8", help="the cases each swept configuration runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
     from jaxflash.ffi.nvfp4_moe import CudaTiles
     from jaxflash.kernels import nvfp4_experts as K
     from jaxflash.model.moe import experts_gather
+
+    # the one-launch form's tiles when no sweep names one (rows_down and the warps of both item kinds set for it)
+    ONE_LAUNCH = K.Tiles(launch="one", rows_down=32, warps_gu=4, warps_down=4, per_sm=2)
 
     out_dir = args.out or tempfile.mkdtemp(prefix="jaxflash_expert_kernel_")
     os.makedirs(out_dir, exist_ok=True)
@@ -241,6 +247,18 @@ def main(argv=None) -> int:
                       f"{math}_finite": bool(np.isfinite(np.asarray(kern)).all())})
             if ref is not None:
                 r[f"{math}_vs_f64"] = rel_err(kern, ref)
+        for name, t1 in (("one", ONE_LAUNCH),):
+            tp = dataclasses.replace(t1, launch="pair", warps_down=t1.warps_gu)  # the same tiles in two launches
+            try:
+                yp = jax.jit(lambda o, x, i: K.choice_outputs(place, o, x, i, tp)[0])(ops, x, ids)
+                yo, g1 = jax.jit(lambda o, x, i: K.choice_outputs(place, o, x, i, t1))(ops, x, ids)
+                yr, g2 = jax.jit(lambda o, x, i: K.choice_outputs(rplace, o, x, i, t1))(rops, x, ids)
+            except Exception as exc:
+                r[f"{name}_error"] = "".join(traceback.format_exception_only(type(exc), exc))[-600:]
+                continue
+            diff = np.abs(np.asarray(yo, np.float32) - np.asarray(yp, np.float32))
+            r.update({f"{name}_vs_pair_max_abs": float(diff.max()), f"{name}_gave_up": int(g1) + int(g2),
+                      f"{name}_records_vs_resident": rel_err(yr, yo)})
         if ref is not None:
             r["twin_vs_f64"] = rel_err(twin, ref)
         num[f"n{n_tok}"] = r
@@ -254,15 +272,17 @@ def main(argv=None) -> int:
 
     def chained(impl, tiles):
         def run(ops_layers, x, ids, w):
+            gave_up = jnp.int32(0)  # the one-launch form's down items that gave up waiting (must stay 0)
             for l in range(L):
                 if impl == "pallas":
-                    y = K.routed_experts(place, ops_layers[l], x, ids[l], w[l], tiles, route="pallas")
+                    yk, g = K.choice_outputs(place, ops_layers[l], x, ids[l], tiles)
+                    y, gave_up = jnp.einsum("nkh,nk->nh", yk.astype(jnp.float32), w[l].astype(jnp.float32)), gave_up + g
                 elif impl == "cuda":
                     y = K.routed_experts(place, ops_layers[l], x, ids[l], w[l], route="cuda", cuda_tiles=tiles)
                 else:
                     y = experts_gather(ops_layers[l], x, ids[l], w[l])  # here: the NVFP4 pytrees
                 x = (x.astype(jnp.float32) + 1e-3 * y).astype(x.dtype)
-            return x
+            return x, gave_up
         return jax.jit(run)
 
     def measure(impl, tiles, rows, ids_np, trace=True):
@@ -272,19 +292,21 @@ def main(argv=None) -> int:
         fn = chained(impl, tiles)
         arg0 = layers if impl == "twin" else ops_layers  # the twin reads the NVFP4 pytrees themselves
         t = time.perf_counter()
-        fn(arg0, x, ids, w).block_until_ready()
+        gave_up = int(jax.block_until_ready(fn(arg0, x, ids, w))[1])
         compile_s = time.perf_counter() - t
         ts = []
         for _ in range(args.reps):
             t = time.perf_counter()
-            fn(arg0, x, ids, w).block_until_ready()
+            jax.block_until_ready(fn(arg0, x, ids, w))
             ts.append(time.perf_counter() - t)
-        out = {"wall_us": statistics.median(ts) / L * 1e6, "compile_s": compile_s}
+        out = {"wall_us": statistics.median(ts) / L * 1e6, "compile_s": compile_s, "gave_up": gave_up}
+        if gave_up:
+            log(f"{impl} {tiles}: {gave_up} down items gave up waiting (programs not all resident): times invalid")
         if trace and dev.platform == "gpu":
             tdir = tempfile.mkdtemp(prefix="trace_")
             with jax.profiler.trace(tdir, create_perfetto_trace=True):
                 for _ in range(3):
-                    fn(arg0, x, ids, w).block_until_ready()
+                    jax.block_until_ready(fn(arg0, x, ids, w))
             from trace_parts import gpu_kernels
 
             events = gpu_kernels(tdir)  # read and parse the trace once for every figure below
@@ -334,7 +356,8 @@ def main(argv=None) -> int:
         grid = []  # the default tiles, measured in the table
     else:
         grid = [tuple(int(v) if v.isdigit() else v for v in s.split(":")) for s in args.sweep.split(";")]
-    sweep_cases = [c for c in ("b1", "b8") if c in cases] or list(cases)[:1]
+    sweep_cases = ([c for c in args.sweep_cases.split(",") if c in cases] or [c for c in ("b1", "b8") if c in cases]
+                   or list(cases)[:1])
     sweep = []
 
     def run_sweep(impl: str, configs: list, deadline: float = float("inf")):
@@ -360,19 +383,22 @@ def main(argv=None) -> int:
                     f"{r.get('gate_up_us', float('nan')):.1f}, down {r.get('down_us', float('nan')):.1f}), wall "
                     f"{r['wall_us']:.1f} us/layer, {r['frac'] * 100:.0f}% of copy ceiling; launches {r.get('launch')}")
                 key = r.get("kernels_us", r["wall_us"])
-                if c not in best or key < best[c][0]:
-                    best[c] = (key, tiles)
+                form = (c, getattr(tiles, "launch", ""))  # the best per case and per launch form
+                if form not in best or key < best[form][0]:
+                    best[form] = (key, tiles)
         return best
 
     def pallas_tiles(g):
         return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
                        unroll=g[6] if len(g) > 6 else K.Tiles().unroll, math=g[7] if len(g) > 7 else K.Tiles().math,
-                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
+                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale,
+                       launch=g[9] if len(g) > 9 else K.Tiles().launch, per_sm=g[10] if len(g) > 10 else 2)
 
     best = run_sweep("pallas", [pallas_tiles(g) for g in grid], time.perf_counter() + args.sweep_budget)
-    chosen = best.get("b1", (None, K.Tiles()))[1]
-    res["chosen_tiles"] = dataclasses.asdict(chosen)
-    log(f"chosen Pallas tiles (best at batch 1): {chosen}")
+    chosen = best.get(("b1", "pair"), (None, K.Tiles(launch="pair")))[1]
+    chosen_one = best.get(("b1", "one"), (None, ONE_LAUNCH))[1]
+    res["chosen_tiles"], res["chosen_one_launch_tiles"] = dataclasses.asdict(chosen), dataclasses.asdict(chosen_one)
+    log(f"chosen Pallas tiles (best at batch 1): pair {chosen}, one launch {chosen_one}")
 
     # CUDA block shapes: each variant changes one thing from the defaults
     if args.cuda_sweep == "default":
@@ -394,10 +420,11 @@ def main(argv=None) -> int:
     table = []
     for c, (rows, ids_np) in cases.items():
         for impl in args.impls.split(","):
-            if impl == "pallas" and rows > K.MAX_TOKENS:
+            if impl.startswith("pallas") and rows > K.MAX_TOKENS:
                 continue
+            tiles = {"cuda": cchosen, "pallas-one": chosen_one}.get(impl, chosen)
             try:
-                r = describe(measure(impl, cchosen if impl == "cuda" else chosen, rows, ids_np), ids_np)
+                r = describe(measure(impl.split("-")[0], tiles, rows, ids_np), ids_np)
             except Exception as exc:
                 r = {"error": "".join(traceback.format_exception_only(type(exc), exc))[-600:]}
             r.update(case=c, impl=impl, rows=rows)

@@ -61,9 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", type=int, default=96, help="mixes (and combines) chained in one program")
     ap.add_argument("--rows", default="1,8", help="comma-separated token row counts")
     ap.add_argument("--variants", default="4:8:4:1:2:64,4:8:4:1:4:64,2:8:2:1:2:64,8:8:8:1:2:256,4:16:4:1:2:256",
-                    help="comma-separated kernel variants block_r:block_h:warps[:splits[:up_warps[:r_piece]]] "
-                         "(splits default 1; the up kernel's warps and its loads of the rank default to the "
-                         "engine's hc_mix.UP_WARPS and R_PIECE), each run with its combine separate and fused "
+                    help="comma-separated kernel variants block_r:block_h:warps[:splits[:up_warps[:r_piece"
+                         "[:launch[:per_sm]]]]] (splits default 1; the up kernel's warps, its loads of the rank, "
+                         "the launch form (pair, one) and its programs per SM default to the engine's "
+                         "hc_mix.UP_WARPS, R_PIECE, LAUNCH, PER_SM), each run with its combine separate and fused "
                          "into the next mix")
     ap.add_argument("--fused-only", action="store_true", help="run each kernel variant with its combine fused only")
     ap.add_argument("--reps", type=int, default=20)
@@ -81,10 +82,11 @@ def main(argv=None) -> int:
     w = cfg.hidden_size * s
     variants = []
     for v in args.variants.split(","):
-        given = tuple(int(n) for n in v.split(":"))
-        if not 3 <= len(given) <= 6:
-            ap.error(f"--variants: {v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece]]]")
-        defaults = (None, None, None, 1, hc_mix.UP_WARPS, hc_mix.R_PIECE)  # the fields left out: the engine's
+        given = tuple(int(n) if n.isdigit() else n for n in v.split(":"))
+        if not 3 <= len(given) <= 8:
+            ap.error(f"--variants: {v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece[:launch[:per_sm]]]]]")
+        # the fields left out: the engine's
+        defaults = (None, None, None, 1, hc_mix.UP_WARPS, hc_mix.R_PIECE, hc_mix.LAUNCH, hc_mix.PER_SM)
         variants.append(given + defaults[len(given):])
 
     def program(variant, fused=False):
@@ -94,9 +96,10 @@ def main(argv=None) -> int:
             if variant is None or variant == "f32":  # XLA's mix; its cases run unfused (pending is None)
                 m = m if variant is None else jax.tree.map(lambda a: a.astype(jnp.float32), m)
                 return (*hc.mix(m, h, s, eps), h)
-            br, bh, warps, splits, up_warps, r_piece = variant
+            br, bh, warps, splits, up_warps, r_piece, launch, per_sm = variant
             return hc_mix.mix(h, m.norm, m.down, m.up, m.inject, s, eps, pending=pending, block_r=br,
-                              block_h=bh, warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
+                              block_h=bh, warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece,
+                              launch=launch, per_sm=per_sm)
 
         def run(ms, h):
             pending = None
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
         ref = program(None)(mixes, h)
         cases = [("xla", None, False), ("xla-f32", "f32", False)]
         for v in variants:
-            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3]}-u{v[4]}-p{v[5]}"
+            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3]}-u{v[4]}-p{v[5]}" + (f"-one{v[7]}" if v[6] == "one" else "")
             cases += ([] if args.fused_only else [(name, v, False)]) + [(name + "-fused", v, True)]
         for name, variant, fused in cases:
             fn = program(variant, fused)

@@ -54,6 +54,7 @@ KERNEL_PARTS = [
     ("resolve_kernel", "expert cache resolve"),
     ("nvfp4_gate_up", "routed experts"),  # the Pallas expert kernels (jaxflash/kernels/nvfp4_experts.py)
     ("nvfp4_down", "routed experts"),
+    ("nvfp4_experts", "routed experts"),  # their one-launch form
     ("nvfp4_moe_gate_up", "routed experts"),  # the CUDA expert kernels (ffi/nvfp4_moe.cu)
     ("nvfp4_moe_down", "routed experts"),
     ("nvfp4_grouped_gate_up", "routed experts"),  # prefill's grouped kernels (jaxflash/kernels/nvfp4_grouped.py)

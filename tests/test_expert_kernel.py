@@ -13,6 +13,8 @@ and cache-slot records. Tolerances, relative to the largest output:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import quant
+from jaxflash import kernels, quant
 from jaxflash.engine.experts import records_as_experts
 from jaxflash.ffi.experts import ExpertLayout
 from jaxflash.kernels import nvfp4_experts as K
@@ -204,6 +206,51 @@ def test_each_expert_is_computed_by_one_program():
         assert tok_pairs == want
 
 
+ONE = K.Tiles(launch="one", rows_gu=8, rows_down=16, chunk_gu=16, chunk_down=16, warps_gu=4, warps_down=4)
+
+
+@pytest.mark.parametrize("n_tok,records", [(1, False), (3, False), (8, True)])
+def test_one_launch_equals_the_pair(n_tok, records):
+    """The one-launch form computes every item as the pair of kernels does with the same tiles: the outputs are
+    equal bit for bit (compiled on a GPU its programs run at once, so the down items really wait for their
+    activations; in interpret mode one program does every item in order). Tokens share experts at 3 and 8."""
+    rng = np.random.default_rng(20 + n_tok)
+    h, i, n_exp, k = 128, 64, 9, 5
+    ex = random_experts(rng, n_exp, h, i)
+    ids = top_k_ids(rng, n_tok, n_exp, k)
+    if n_tok >= 3:
+        ids[2] = ids[0]
+        ids[1, 0] = ids[0, -1]
+    if records:
+        layout = ExpertLayout("nvfp4", h, i)
+        place, ops = K.record_operands(layout, jnp.asarray(records_of(layout, ex)))
+    else:
+        place, ops = K.resident_operands(ex)
+    ids = jnp.asarray(ids)
+    x = jnp.asarray(rng.normal(size=(n_tok, h)), jnp.bfloat16)
+    pair, _ = K.choice_outputs(place, ops, x, ids, dataclasses.replace(ONE, launch="pair"))
+    one, gave_up = K.choice_outputs(place, ops, x, ids, ONE)
+    assert int(gave_up) == 0
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(pair, np.float32))
+    w = jnp.asarray(rng.uniform(size=(n_tok, k)), jnp.bfloat16)
+    assert rel_err(K.routed_experts(place, ops, x, ids, w, ONE), experts_gather(ex, x, ids, w)) < TOL_F16X2
+
+
+def test_one_launch_flags_a_wait_that_gives_up(monkeypatch):
+    """Two programs in interpret mode run one after the other, so the first one's down items wait for
+    activations the second has not written: they give up after SPIN_LIMIT polls and are counted, not hung."""
+    if K.on_gpu():
+        pytest.skip("interpret mode only: compiled, both programs are resident and nothing gives up")
+    monkeypatch.setattr(kernels, "SPIN_LIMIT", 3)
+    rng = np.random.default_rng(5)
+    ex = random_experts(rng, 4, 64, 32)
+    place, ops = K.resident_operands(ex)
+    x = jnp.asarray(rng.normal(size=(1, 64)), jnp.bfloat16)
+    _, gave_up = K.choice_outputs(place, ops, x, jnp.asarray([[0, 2]], jnp.int32),
+                                  dataclasses.replace(ONE, programs=2))
+    assert int(gave_up) > 0
+
+
 def test_bad_inputs_are_refused():
     rng = np.random.default_rng(3)
     ex = random_experts(rng, 4, 32, 16)
@@ -217,6 +264,8 @@ def test_bad_inputs_are_refused():
     dense = Experts(jnp.zeros((4, 16, 32)), jnp.zeros((4, 16, 32)), jnp.zeros((4, 32, 16)))
     with pytest.raises(TypeError, match="NVFP4"):
         K.resident_operands(dense)
+    with pytest.raises(ValueError, match="launch"):
+        K.routed_experts(place, ops, jnp.zeros((1, 32), jnp.bfloat16), ids, jnp.ones((1, 2)), K.Tiles(launch="x"))
     with pytest.raises(ValueError, match="NVFP4 records"):
         K.record_operands(ExpertLayout("bf16", 32, 16), jnp.zeros((2, 8), jnp.uint8))
 

@@ -108,6 +108,46 @@ def test_full_size_mix_matches_twin(tiles):
     assert rel_err(hc1, hc0) < 1e-6 and rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
 
 
+@pytest.mark.parametrize("preset,inject,rows", [("tiny", True, 1), ("tiny", False, 3), ("full", True, 1)])
+def test_one_launch_equals_the_pair(preset, inject, rows):
+    """The one-launch form runs the pair's items with the same tiles (the up items with the down kernel's warps):
+    x, inj and the combined h equal the pair's up to the order of float32 sums (the same arithmetic, compiled into
+    another program: 1e-6 of the largest value), with no pending combine, a whole block output and a MoE output's
+    parts. Compiled on a GPU the up items really wait for the down items' count."""
+    cfg = presets.preset(preset)
+    rng = np.random.default_rng(30 + rows)
+    p = random_hc(rng, cfg, jnp.bfloat16, inject)
+    s, eps, w, hid = cfg.hc_count, cfg.rms_norm_eps, cfg.hidden_size * cfg.hc_count, cfg.hidden_size
+    h = jnp.asarray(rng.normal(size=(rows, w)), jnp.float32)
+    inj = jnp.asarray(rng.uniform(0, 2, size=(rows, s)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(rows, hid)), jnp.bfloat16)
+    moe = (inj, jnp.asarray(rng.normal(size=(rows, hid)), jnp.float32), y, jnp.asarray(rng.uniform(size=(rows, 1))))
+    for pending in (None, (inj, y), moe):
+        args = (h, p.norm, p.down, p.up, p.inject, s, eps)
+        pair = hc_mix.mix_flagged(*args, pending=pending, launch="pair", up_warps=hc_mix.WARPS)
+        one = hc_mix.mix_flagged(*args, pending=pending, launch="one")
+        assert int(one[3]) == 0
+        for a, b in zip(pair[:3], one[:3]):
+            if a is not None:
+                assert rel_err(b, a) < 1e-6
+
+
+def test_one_launch_flags_a_wait_that_gives_up(monkeypatch):
+    """Two programs in interpret mode run one after the other: the first one's up items wait for down items of
+    the second, give up after SPIN_LIMIT polls and are counted, not hung."""
+    if on_gpu():
+        pytest.skip("interpret mode only: compiled, both programs are resident and nothing gives up")
+    from jaxflash import kernels
+
+    monkeypatch.setattr(kernels, "SPIN_LIMIT", 3)
+    cfg = presets.preset("tiny")
+    p = random_hc(np.random.default_rng(4), cfg, jnp.float32, True)
+    h = jnp.ones((1, cfg.hidden_size * cfg.hc_count), jnp.float32)
+    got = hc_mix.mix_flagged(h, p.norm, p.down, p.up, p.inject, cfg.hc_count, cfg.rms_norm_eps, launch="one",
+                             programs=2)
+    assert int(got[3]) > 0
+
+
 def test_bf16_parts_are_exact():
     """The three bfloat16 parts of float32 values (the twin's bf16-weight dot) sum to them exactly, over
     the float32 range down to 2^-100, signs and zeros included. (Below, a part can be subnormal, and XLA

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu, pow2_divisor
+from . import compiler_params, count_done, count_wait, item_loop, on_gpu, pow2_divisor, sm_count
 
 Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
@@ -49,6 +49,10 @@ FASTER_ROWS = 1
 # kernel, warps of the up kernel (2 rather than the down kernel's 4: 9.2 us per mix against 10.9).
 # R_PIECE: bottleneck columns per load of the up kernel, at most (the rank is read in power-of-two pieces).
 BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
+# LAUNCH: "pair" (a down and an up kernel) or "one" (both kinds of item in one launch of PER_SM programs per SM with
+# WARPS warps each; the up items wait for the down items' count: kernels/__init__.py).
+LAUNCH, PER_SM = "pair", 3
+LAUNCHES = ("pair", "one")
 
 
 def _pieces(n: int, cap: int) -> tuple[tuple[int, int], ...]:
@@ -79,10 +83,10 @@ def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R
             and rank % 8 == 0)
 
 
-def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
+def _down_kernel(i, c, h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref, ss_ref, pi_ref, hout_ref, *,
                  rows: int, hidden: int, block_r: int, chunk: int, splits: int):
+    """Down item (i, c): rows i*block_r.. of down (or, past them, inject) over split c of the columns."""
     f32 = jnp.float32
-    i, c = pl.program_id(0), pl.program_id(1)
     s = c // splits
     n_down = down_ref.shape[0] // block_r  # programs of down's rows; the next one (if any) takes inject's
     loads = hidden // chunk // splits
@@ -142,19 +146,21 @@ def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref,
                 pi_ref[n, c, :] = dots[n]
 
 
-def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
-               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float):
+def _up_kernel(j, h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
+               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float, wait=None):
+    """Up item j: columns j*block_h.. of x. wait() (the one-launch form): blocks until every down item is done and
+    returns an int32 zero added to the row index of every read of their results (h combined, the partials)."""
     f32 = jnp.float32
-    j = pl.program_id(0)
 
     # The weights first (they do not depend on the partials, whose loads and arithmetic then overlap theirs).
     cols = [pl.ds(s * hidden + j * block_h, block_h) for s in range(streams)]
     ws = [[up_ref[cols[s], pl.ds(r0, size)] for r0, size in pieces] for s in range(streams)]
     gs = [norm_ref[c] for c in cols]
-    hs = [[h_ref[n, c] for c in cols] for n in range(rows)]
+    tie = wait() if wait is not None else 0
+    hs = [[h_ref[n + tie, c] for c in cols] for n in range(rows)]
 
     def over_splits(ref, n, s, idx=()):  # the stream's partials, summed over its splits
-        return sum(ref[(n, s * splits + k) + idx] for k in range(splits))
+        return sum(ref[(n + tie, s * splits + k) + idx] for k in range(splits))
 
     rstd = [[jax.lax.rsqrt(over_splits(ss_ref, n, s) / hidden + eps) for s in range(streams)]
             for n in range(rows)]
@@ -187,22 +193,37 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
         block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS,
-        up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
+        up_warps: int = UP_WARPS, r_piece: int = R_PIECE, launch: str = LAUNCH, per_sm: int = PER_SM):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]) or
     (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
     (hyper_connection.combine); the returned h is then the combined one, else h itself.
-    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    interpret: run in Pallas interpret mode (default: on anything but a GPU). launch, per_sm: see LAUNCH."""
+    return mix_flagged(h, norm, down, up, inject, streams, eps, pending=pending, x_dtype=x_dtype,
+                       interpret=interpret, block_r=block_r, block_h=block_h, warps=warps, splits=splits,
+                       up_warps=up_warps, r_piece=r_piece, launch=launch, per_sm=per_sm)[:3]
+
+
+def mix_flagged(h, norm, down, up, inject, streams, eps, *, pending=None, x_dtype=jnp.float32, interpret=None,
+                block_r=BLOCK_R, block_h=BLOCK_H, warps=WARPS, splits=SPLITS, up_warps=UP_WARPS, r_piece=R_PIECE,
+                launch=LAUNCH, per_sm=PER_SM, programs: int = 0):
+    """mix's (x, inj, h) and the count of up items of the one-launch form that gave up waiting for the down
+    items (0 unless its programs were not all resident at once; x is then wrong). programs: that form's
+    program count if not 0 (else per_sm per SM, or 1 in interpret mode, which runs programs one by one)."""
+    if launch not in LAUNCHES:
+        raise ValueError(f"hc_mix: launch must be one of {LAUNCHES}, got {launch!r}")
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
-                warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
+                warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece, launch=launch, per_sm=per_sm,
+                programs=programs)
 
 
 @partial(jax.jit, static_argnames=("streams", "eps", "x_dtype", "interpret", "block_r", "block_h", "warps",
-                                   "splits", "up_warps", "r_piece"))
+                                   "splits", "up_warps", "r_piece", "launch", "per_sm", "programs"))
 def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtype, interpret: bool, block_r: int,
-         block_h: int, warps: int, splits: int, up_warps: int, r_piece: int):
+         block_h: int, warps: int, splits: int, up_warps: int, r_piece: int, launch: str, per_sm: int,
+         programs: int):
     rows, width = h.shape
     rank = down.shape[0]
     hidden = width // streams
@@ -230,27 +251,62 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
         y = tuple(next(it) for _ in range(n_y)) if fused else None
         norm_ref, down_ref, inject_ref = next(it), next(it), take(has_inject)
         p, ss, pi, hout = next(it), next(it), take(has_inject), take(fused)
-        down_kernel(h_ref, inj0, y, norm_ref, down_ref, inject_ref, p, ss, pi, hout)
+        down_kernel(pl.program_id(0), pl.program_id(1), h_ref, inj0, y, norm_ref, down_ref, inject_ref, p, ss, pi,
+                    hout)
 
     def up_call(*refs):
         it = iter(refs)
         take = lambda present: next(it) if present else None  # noqa: E731
         h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(has_inject)
-        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(has_inject))
+        up_kernel(pl.program_id(0), h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(has_inject))
 
     parts = streams * splits
+    n_down, n_up = (rank // block_r + has_inject) * parts, hidden // block_h  # items of each kind
     # partials of down (per split), sums of squares, partials of inject (split, output stream), combined h
     outs = [jax.ShapeDtypeStruct((rows, parts, rank), f32), jax.ShapeDtypeStruct((rows, parts), f32)]
     outs += [jax.ShapeDtypeStruct((rows, parts, streams), f32)] if has_inject else []
     outs += [jax.ShapeDtypeStruct((rows, width), f32)] if fused else []
+    x_outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
+    x_outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
+    if launch == "one":
+        def one_call(*refs):
+            it = iter(refs)
+            take = lambda present: next(it) if present else None  # noqa: E731
+            h_ref, inj0 = next(it), take(fused)
+            y = tuple(next(it) for _ in range(n_y)) if fused else None
+            norm_ref, down_ref, inject_ref, up_ref, _ = next(it), next(it), take(has_inject), next(it), next(it)
+            sem, p, ss, pi, hout = next(it), next(it), next(it), take(has_inject), take(fused)
+            x_ref, inj_ref = next(it), take(has_inject)
+
+            def item(i):
+                @pl.when(i < n_down)
+                def _():
+                    down_kernel(i // parts, i % parts, h_ref, inj0, y, norm_ref, down_ref, inject_ref, p, ss, pi,
+                                hout)
+                    count_done(sem, jnp.asarray(0, jnp.int32), interpret)
+
+                @pl.when((i >= n_down) & (i < n_down + n_up))
+                def _():
+                    up_kernel(i - n_down, hout if fused else h_ref, norm_ref, up_ref, p, ss, pi, x_ref, inj_ref,
+                              wait=lambda: count_wait(sem, jnp.asarray(0, jnp.int32), n_down, 1))
+
+            item_loop(n_down + n_up, n_prog, item)
+
+        n_prog = min(n_down + n_up, programs or (1 if interpret else per_sm * sm_count()))
+        sem0 = jnp.zeros((2,), jnp.int32)  # the down items' count, then the give-up flag
+        ins = (h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []), up, sem0)
+        got = pl.pallas_call(one_call, out_shape=(jax.ShapeDtypeStruct((2,), jnp.int32), *outs, *x_outs),
+                             grid=(n_prog,), input_output_aliases={len(ins) - 1: 0},
+                             compiler_params=compiler_params(interpret, warps), interpret=interpret, name="hc_mix")(
+            *ins)
+        res = got[1 + len(outs):]
+        return res[0], (res[1] if has_inject else None), (got[len(outs)] if fused else h), got[0][1]
     got = pl.pallas_call(down_call, out_shape=tuple(outs), grid=(rank // block_r + has_inject, parts),
                          compiler_params=compiler_params(interpret, warps), interpret=interpret, name="hc_mix_down")(
         h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []))
     h = got[-1] if fused else h
     parts_out = got[:3] if has_inject else (*got[:2], None)
-    outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
-    outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
-    res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,),
+    res = pl.pallas_call(up_call, out_shape=tuple(x_outs), grid=(hidden // block_h,),
                          compiler_params=compiler_params(interpret, up_warps), interpret=interpret, name="hc_mix_up")(
         h, norm, up, *(p for p in parts_out if p is not None))
-    return res[0], (res[1] if has_inject else None), h
+    return res[0], (res[1] if has_inject else None), h, jnp.int32(0)

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import compiler_params, on_gpu, pow2_ceil, pow2_divisor
+from . import compiler_params, count_done, count_wait, item_loop, on_gpu, pow2_ceil, pow2_divisor, sm_count
 
 Array = jax.Array
 NVFP4_GROUP = 16  # codes per FP8 block scale (as jaxflash.model.moe)
@@ -145,16 +145,24 @@ class Tiles:
     unroll: int = 0  # walks of up to this many chunks are unrolled (see _walk); on the H200 unrolling was slower
     math: str = "auto"  # "f32", "f16x2" (see _f16x2_products), "auto": f16x2 for bfloat16 tokens
     x_scale: str = "chunk"  # f16x2: the inputs' power of two per "chunk" of a walk, or per "row" (one pre-pass)
+    launch: str = "pair"  # "pair": a gate_up and a down kernel; "one": both in one launch (see the kernels)
+    per_sm: int = 2  # "one": programs per SM (each with warps_gu warps; all must be resident at once)
+    programs: int = 0  # "one": the number of programs, if not 0 (else per_sm per SM; 1 in interpret mode)
 
 
 def fit_tiles(place: Placement, t: Tiles) -> Tiles:
     """The tiles clamped to the shapes (tiny test models have H, I far under the defaults)."""
     h, i = place.hidden, place.inter
-    return Tiles(rows_gu=pow2_divisor(i, t.rows_gu), rows_down=pow2_divisor(h, t.rows_down),
-                 chunk_gu=max(_BYTES_PER_GROUP, pow2_divisor(h // 2, t.chunk_gu)),
-                 chunk_down=max(_BYTES_PER_GROUP, pow2_divisor(i // 2, t.chunk_down)),
-                 warps_gu=t.warps_gu, warps_down=t.warps_down, stages=t.stages, unroll=t.unroll, math=t.math,
-                 x_scale=t.x_scale)
+    if t.launch not in LAUNCHES:
+        raise ValueError(f"Tiles.launch must be one of {LAUNCHES}, got {t.launch!r}")
+    if t.per_sm < 1:
+        raise ValueError(f"Tiles.per_sm must be at least 1, got {t.per_sm}")
+    return dataclasses.replace(t, rows_gu=pow2_divisor(i, t.rows_gu), rows_down=pow2_divisor(h, t.rows_down),
+                               chunk_gu=max(_BYTES_PER_GROUP, pow2_divisor(h // 2, t.chunk_gu)),
+                               chunk_down=max(_BYTES_PER_GROUP, pow2_divisor(i // 2, t.chunk_down)))
+
+
+LAUNCHES = ("pair", "one")
 
 
 MATHS = ("auto", "f32", "f16x2")
@@ -371,9 +379,15 @@ def _tile_loader(w, e, row0, rows: int, in_dim: int, chunk: int, codes: tuple[Pa
 
 
 # ----- the kernels -----------------------------------------------------------------------------------------------
-# Grid (pair, block of output rows). Only the first pair of each distinct expert works; it runs once per token
-# that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat reads the
-# expert's few KB per program again from L1/L2, not from HBM).
+# Work comes in items of (pair, block of output rows). Only the first pair of each distinct expert works; it runs
+# once per token that chose the expert (a branch per token: a batch's tokens rarely share an expert, and a repeat
+# reads the expert's few KB per program again from L1/L2, not from HBM). Two launch forms (Tiles.launch):
+#   * "pair": a gate_up kernel (one program per gate_up item) and a down kernel (one per down item);
+#   * "one": a single launch of a few programs per SM, each working through items in a fixed order, every gate_up
+#     item before every down item. A down item needs its expert's activations: it loads its weights first, then
+#     waits until the count of its pair's finished gate_up items (an int32 per pair, added atomically) is
+#     complete. Every program is resident at once (a few per SM), and a program reaches its down items only after
+#     its own gate_up items, so every wait ends.
 def _products(t: Tiles, interpret: bool):
     """dot(codes, scales, xe, xo, row scale or None) -> [rows, groups] float32 for the tile's arithmetic
     (t.math resolved)."""
@@ -386,86 +400,169 @@ def _input_scale(t: Tiles, ref, row, steps: int, chunk: int, groups: int):
     return _row_scale(ref, row, steps, chunk, groups) if t.math == "f16x2" and t.x_scale == "row" else None
 
 
-def _gate_up_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
-    *w, act_ref = refs
-    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
+def _gate_up_rows(ids_ref, x_ref, w, act_ref, p, row0, *, place: Placement, n_tok: int, k: int, t: Tiles,
+                  interpret: bool, done=None):
+    """Rows row0.. of act for every token whose choice is pair p's expert, if p is that expert's first pair;
+    then done(p) there (the one-launch form's count)."""
+    e, first, hit, pair = _group(ids_ref, p, n_tok, k)
     rows, chunk = t.rows_gu, t.chunk_gu
     groups = chunk // _BYTES_PER_GROUP
     half_h = place.hidden // 2
-    row0 = pl.program_id(1) * rows
     dt = act_ref.dtype
     load = _tile_loader(w, e, row0, rows, place.hidden, chunk, (place.gate, place.up),
                         (place.gate_scale, place.up_scale), _fold(t))
     dot = _products(t, interpret)
 
-    for r in range(n_tok):
-        @pl.when(first & hit[r])
-        def _():
-            xs = _input_scale(t, x_ref, _i32(r), half_h // chunk, chunk, groups)
+    @pl.when(first)
+    def _():
+        for r in range(n_tok):
+            @pl.when(hit[r])
+            def _():
+                xs = _input_scale(t, x_ref, _i32(r), half_h // chunk, chunk, groups)
 
-            def compute(tile, step, acc):
-                (gw, uw), (g_sc, u_sc) = tile
-                xe, xo = _inputs(x_ref, _i32(r), step * chunk, groups)
-                return acc[0] + dot(gw, g_sc, xe, xo, xs), acc[1] + dot(uw, u_sc, xe, xo, xs)
+                def compute(tile, step, acc):
+                    (gw, uw), (g_sc, u_sc) = tile
+                    xe, xo = _inputs(x_ref, _i32(r), step * chunk, groups)
+                    return acc[0] + dot(gw, g_sc, xe, xo, xs), acc[1] + dot(uw, u_sc, xe, xo, xs)
 
-            zero = jnp.zeros((rows, groups), jnp.float32)
-            acc = _walk(half_h // chunk, t.unroll, load, compute, (zero, zero))
-            g_s2, u_s2 = _global_scale(w, place.gate_s2, e), _global_scale(w, place.up_s2, e)
-            g = (jnp.sum(acc[0], axis=1) * g_s2).astype(dt).astype(jnp.float32)
-            u = (jnp.sum(acc[1], axis=1) * u_s2).astype(dt).astype(jnp.float32)
-            a = (g * jax.nn.sigmoid(g) * u).astype(dt)
-            act_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = a
+                zero = jnp.zeros((rows, groups), jnp.float32)
+                acc = _walk(half_h // chunk, t.unroll, load, compute, (zero, zero))
+                g_s2, u_s2 = _global_scale(w, place.gate_s2, e), _global_scale(w, place.up_s2, e)
+                g = (jnp.sum(acc[0], axis=1) * g_s2).astype(dt).astype(jnp.float32)
+                u = (jnp.sum(acc[1], axis=1) * u_s2).astype(dt).astype(jnp.float32)
+                a = (g * jax.nn.sigmoid(g) * u).astype(dt)
+                act_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = a
+
+        if done is not None:
+            done(p)
 
 
-def _down_kernel(ids_ref, act_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, interpret: bool):
-    *w, y_ref = refs
-    e, first, hit, pair = _group(ids_ref, pl.program_id(0), n_tok, k)
+def _down_rows(ids_ref, act_ref, w, y_ref, p, row0, *, place: Placement, n_tok: int, k: int, t: Tiles,
+               interpret: bool, wait=None):
+    """Rows row0.. of y for every token whose choice is pair p's expert, if p is that expert's first pair.
+    wait(p) (the one-launch form): blocks until p's activations are complete and returns an int32 zero added to
+    their row index (a data dependence, so their loads cannot start earlier); the weights are loaded before it
+    (up to _PREFETCH_STEPS chunks a row: all of down's at full size), so the wait overlaps their reads."""
+    e, first, hit, pair = _group(ids_ref, p, n_tok, k)
     rows, chunk = t.rows_down, t.chunk_down
     groups = chunk // _BYTES_PER_GROUP
     half_i = place.inter // 2
-    row0 = pl.program_id(1) * rows
+    steps = half_i // chunk
     load = _tile_loader(w, e, row0, rows, place.inter, chunk, (place.down,), (place.down_scale,), _fold(t))
     dot = _products(t, interpret)
 
-    for r in range(n_tok):
-        @pl.when(first & hit[r])
+    @pl.when(first)
+    def _():
+        tiles = [load(s) for s in range(steps)] if wait is not None and steps <= _PREFETCH_STEPS else None
+        tie = wait(p) if wait is not None else 0
+        for r in range(n_tok):
+            @pl.when(hit[r])
+            def _():
+                row = pair[r] + tie
+                xs = _input_scale(t, act_ref, row, steps, chunk, groups)
+
+                def compute(tile, step, acc):
+                    (dw,), (sc,) = tile
+                    ae, ao = _inputs(act_ref, row, step * chunk, groups)
+                    return acc + dot(dw, sc, ae, ao, xs)
+
+                zero = jnp.zeros((rows, groups), jnp.float32)
+                if tiles is not None:
+                    acc = zero
+                    for s in range(steps):
+                        acc = compute(tiles[s], s, acc)
+                else:
+                    acc = _walk(steps, t.unroll, load, compute, zero)
+                y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
+                y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
+
+
+def _gate_up_kernel(ids_ref, x_ref, *refs, **kw):
+    *w, act_ref = refs
+    _gate_up_rows(ids_ref, x_ref, w, act_ref, pl.program_id(0), pl.program_id(1) * kw["t"].rows_gu, **kw)
+
+
+def _down_kernel(ids_ref, act_ref, *refs, **kw):
+    *w, y_ref = refs
+    _down_rows(ids_ref, act_ref, w, y_ref, pl.program_id(0), pl.program_id(1) * kw["t"].rows_down, **kw)
+
+
+_PREFETCH_STEPS = 8  # the one-launch form's down items load up to this many chunks of their rows before waiting
+
+
+def _one_launch_kernel(ids_ref, x_ref, *refs, place: Placement, n_tok: int, k: int, t: Tiles, n_prog: int,
+                       interpret: bool):
+    *w, _, sem_ref, act_ref, y_ref = refs  # the count buffer comes in aliased to sem_ref
+    pairs = n_tok * k
+    nb_gu, nb_down = place.inter // t.rows_gu, place.hidden // t.rows_down
+    t_gu = pairs * nb_gu
+    total = t_gu + pairs * nb_down
+    kw = dict(place=place, n_tok=n_tok, k=k, t=t, interpret=interpret)
+    done = lambda p: count_done(sem_ref, p, interpret)  # noqa: E731
+    wait = lambda p: count_wait(sem_ref, p, nb_gu, pairs)  # noqa: E731
+
+    def item(it):
+        @pl.when(it < t_gu)
         def _():
-            xs = _input_scale(t, act_ref, pair[r], half_i // chunk, chunk, groups)
+            _gate_up_rows(ids_ref, x_ref, w, act_ref, it // nb_gu, (it % nb_gu) * t.rows_gu, done=done, **kw)
 
-            def compute(tile, step, acc):
-                (dw,), (sc,) = tile
-                ae, ao = _inputs(act_ref, pair[r], step * chunk, groups)
-                return acc + dot(dw, sc, ae, ao, xs)
+        @pl.when((it >= t_gu) & (it < total))
+        def _():
+            d = it - t_gu
+            _down_rows(ids_ref, act_ref, w, y_ref, d // nb_down, (d % nb_down) * t.rows_down, wait=wait, **kw)
 
-            acc = _walk(half_i // chunk, t.unroll, load, compute, jnp.zeros((rows, groups), jnp.float32))
-            y = (jnp.sum(acc, axis=1) * _global_scale(w, place.down_s2, e)).astype(y_ref.dtype)
-            y_ref[pair[r], row0 + jnp.arange(rows, dtype=jnp.int32)] = y
+    item_loop(total, n_prog, item)
 
 
 # ----- entry point -----------------------------------------------------------------------------------------------
+def _one_launch(x, ids, operands, place: Placement, t: Tiles, interpret: bool):
+    """y [pairs, H] and the count of down items that gave up waiting (0 unless programs were not all resident)."""
+    n_tok, k = ids.shape
+    pairs = n_tok * k
+    total = pairs * (place.inter // t.rows_gu + place.hidden // t.rows_down)
+    # interpret mode runs programs one after another: one program does every item, in order, and never waits
+    n_prog = min(total, t.programs or (1 if interpret else t.per_sm * sm_count()))
+    dt = x.dtype
+    sem = jnp.zeros((pairs + 1,), jnp.int32)  # a count per pair, then the give-up flag
+    sem, _, y = pl.pallas_call(
+        partial(_one_launch_kernel, place=place, n_tok=n_tok, k=k, t=t, n_prog=n_prog, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct(sem.shape, jnp.int32), jax.ShapeDtypeStruct((pairs, place.inter), dt),
+                   jax.ShapeDtypeStruct((pairs, place.hidden), dt)),
+        grid=(n_prog,), input_output_aliases={2 + len(operands): 0},
+        compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
+        interpret=interpret, name="nvfp4_experts",
+    )(ids.reshape(-1).astype(jnp.int32), x, *operands, sem)
+    return y, sem[pairs]
+
+
 @partial(jax.jit, static_argnames=("place", "tiles", "interpret"))
 def _pairs(x, ids, operands, place: Placement, tiles: Tiles, interpret: bool):
+    """y [N, k, H] and the count of down items that gave up waiting (always 0 for the pair form)."""
     n_tok, k = ids.shape
     pairs = n_tok * k
     t = fit_tiles(place, tiles)
     dt = x.dtype
     t = dataclasses.replace(t, math=resolve_math(t, dt))
+    if t.launch == "one":
+        y, gave_up = _one_launch(x, ids, operands, place, t, interpret)
+        return y.reshape(n_tok, k, place.hidden), gave_up
     flat = ids.reshape(-1).astype(jnp.int32)
+    kw = dict(place=place, n_tok=n_tok, k=k, t=t, interpret=interpret)
     act = pl.pallas_call(
-        partial(_gate_up_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
+        partial(_gate_up_kernel, **kw),
         out_shape=jax.ShapeDtypeStruct((pairs, place.inter), dt),
         grid=(pairs, place.inter // t.rows_gu),
         compiler_params=compiler_params(interpret, t.warps_gu, t.stages),
         interpret=interpret, name="nvfp4_gate_up",
     )(flat, x, *operands)
     y = pl.pallas_call(
-        partial(_down_kernel, place=place, n_tok=n_tok, k=k, t=t, interpret=interpret),
+        partial(_down_kernel, **kw),
         out_shape=jax.ShapeDtypeStruct((pairs, place.hidden), dt),
         grid=(pairs, place.hidden // t.rows_down),
         compiler_params=compiler_params(interpret, t.warps_down, t.stages),
         interpret=interpret, name="nvfp4_down",
     )(flat, act, *operands)
-    return y.reshape(n_tok, k, place.hidden)
+    return y.reshape(n_tok, k, place.hidden), jnp.int32(0)
 
 
 def choose_route(route: str) -> str:
@@ -508,6 +605,16 @@ def cuda_parts(place: Placement, operands: tuple[Array, ...]) -> tuple[list[int]
     return [p.arg for p in parts], [p.offset * jnp.dtype(operands[p.arg].dtype).itemsize for p in parts]
 
 
+def choice_outputs(place: Placement, operands: tuple[Array, ...], x: Array, ids: Array, tiles: Tiles = Tiles(),
+                   interpret: bool | None = None) -> tuple[Array, Array]:
+    """The Pallas kernels' outputs before the weighted sum: (y [N, k, H] in x's dtype, the count of down items
+    of the one-launch form that gave up waiting for their activations, an int32 that is 0 unless its programs
+    were not all resident at once; their rows are then wrong)."""
+    if ids.shape[0] > MAX_TOKENS:
+        raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
+    return _pairs(x, ids, tuple(operands), place, tiles, not on_gpu() if interpret is None else interpret)
+
+
 def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids: Array, w: Array,
                    tiles: Tiles = Tiles(), interpret: bool | None = None, route: str = "auto",
                    cuda_tiles=None) -> Array:
@@ -525,11 +632,7 @@ def routed_experts(place: Placement, operands: tuple[Array, ...], x: Array, ids:
         y = nvfp4_moe.expert_pairs(x, ids, tuple(operands), arg, offset, place.inter,
                                    cuda_tiles or nvfp4_moe.CudaTiles())
     else:
-        if ids.shape[0] > MAX_TOKENS:
-            raise ValueError(f"the NVFP4 expert kernel takes up to {MAX_TOKENS} tokens, got {ids.shape[0]}")
-        if interpret is None:
-            interpret = not on_gpu()
-        y = _pairs(x, ids, tuple(operands), place, tiles, interpret)
+        y, _ = choice_outputs(place, operands, x, ids, tiles, interpret)
     return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w.astype(jnp.float32))
 
 
