@@ -2,6 +2,9 @@
 # call 1: build; the decode step of main's kernels at 48 layers (b1); the HC mix one-launch vs pair; the
 # compiled one-launch tests; the expert kernels one-launch vs pair
 export JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+# the full 48 layers with every expert on the device need an H200; an H100 runs the first 24
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+LAYERS=$([ "${MIB:-0}" -gt 100000 ] && echo 48 || echo 24)
 L=$OUT/log.txt; T0=$(date +%s)
 stamp() { echo "#### $(( $(date +%s) - T0 ))s $1" >> $L; }
 keep() { grep -v "WARNING\|Warning\|warn(" $1 | tail -${2:-40} >> $L; }
@@ -9,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $L 2>&1
 python3 -c "import jax; d=jax.devices()[0]; print(d.device_kind, jax.__version__)" >> $L 2>&1
 CUDAARCHS=90-real python3 -m pip install -q --no-build-isolation --no-deps . > /tmp/build.log 2>&1
 echo "build rc $?" >> $L; tail -3 /tmp/build.log >> $L; stamp built
-A="--modes device --batch 1 --max-batch 1 --steps 32 --trace-steps 4 --keep-trace"
+A="--modes device --batch 1 --max-batch 1 --steps 32 --trace-steps 4 --keep-trace --layers $LAYERS"
 timeout 200 python3 _call/decode_variant.py pair pair $A --out /tmp/d_main > /tmp/d_main.log 2>&1
 echo "decode main rc $?" >> $L; keep /tmp/d_main.log 30; cp /tmp/d_main/results.json $OUT/decode_main.json; stamp decode
 for p in "routed experts" "hyper-connections"; do

@@ -2,6 +2,9 @@
 # call 2: the decode step at 48 layers with the one-launch forms (b1), and main's at batch 8.
 # $1: the runs, from: both hc ex b8 (default: "both hc b8")
 export JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+# the full 48 layers with every expert on the device need an H200; an H100 runs the first 24
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+LAYERS=$([ "${MIB:-0}" -gt 100000 ] && echo 48 || echo 24)
 L=$OUT/log2.txt; T0=$(date +%s)
 stamp() { echo "#### $(( $(date +%s) - T0 ))s $1" >> $L; }
 keep() { grep -v "WARNING\|Warning\|warn(" $1 | tail -${2:-40} >> $L; }
@@ -9,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > $L 2>&1
 python3 -c "import jaxflash.ffi._ext" >> $L 2>&1 || { CUDAARCHS=90-real python3 -m pip install -q \
   --no-build-isolation --no-deps . > /tmp/build.log 2>&1; echo "build rc $?" >> $L; stamp built; }
 ONE=32:256:4:32:64:4:0:auto:chunk:one:2
-A="--modes device --steps 32 --trace-steps 4 --keep-trace"
+A="--modes device --steps 32 --trace-steps 4 --keep-trace --layers $LAYERS"
 run() {  # name expert hc batch
   timeout $5 python3 _call/decode_variant.py $2 $3 $A --batch $4 --max-batch $4 --out /tmp/d_$1 > /tmp/d_$1.log 2>&1
   echo "== $1 ($2 $3 b$4) rc $?" >> $L; keep /tmp/d_$1.log 24
