@@ -1,6 +1,6 @@
 #!/bin/bash
-# one call: build; the compiled one-launch tests; the HC mix one-launch vs pair; the decode step with main's
-# kernels and with both one-launch forms (48 layers on an H200, 24 on an H100); the expert kernels if time is left
+# one call: build; the HC mix one-launch vs pair; the decode step with main's kernels and with the HC mix in one
+# launch; the compiled one-launch tests (48 layers on an H200, 24 on an H100); the expert kernels if time is left
 export JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LAYERS=$([ "${MIB:-0}" -gt 100000 ] && echo 48 || echo 24)  # every expert on the device at 48 layers needs an H200
@@ -12,9 +12,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $L 2>&1
 python3 -c "import jax; d=jax.devices()[0]; print(d.device_kind, jax.__version__)" >> $L 2>&1
 CUDAARCHS=90-real python3 -m pip install -q --no-build-isolation --no-deps . > /tmp/build.log 2>&1
 echo "build rc $?" >> $L; tail -3 /tmp/build.log >> $L; stamp built
-timeout $(left 110) python3 -m pytest -q -p no:cacheprovider tests/test_hc_kernel.py tests/test_expert_kernel.py \
-  -k "one_launch" > /tmp/tests.txt 2>&1
-echo "tests rc $?" >> $L; keep /tmp/tests.txt 30; stamp tests
 V="4:8:4:1:2:64,4:8:4:1:4:64:one:2,4:8:4:1:4:64:one:3"
 timeout $(left 75) python3 benchmarks/hc_kernel.py --mixes 24 --rows 1 --fused-only --reps 8 --variants $V \
   --out $OUT > /tmp/hc.log 2>&1
@@ -31,9 +28,12 @@ run() {  # name expert hc
   stamp "decode $1"
 }
 run main pair pair
-run one 32:256:4:32:64:4:0:auto:chunk:one:2 one:3
+run hcone pair one:3
+timeout $(left 110) python3 -m pytest -q -p no:cacheprovider tests/test_hc_kernel.py tests/test_expert_kernel.py \
+  -k "one_launch" > /tmp/tests.txt 2>&1
+echo "tests rc $?" >> $L; keep /tmp/tests.txt 30; stamp tests
 S="32:256:4:32:64:4:0:auto:chunk:one:2;32:256:4:32:64:4:0:auto:chunk:one:3"
-[ $((END - $(date +%s))) -gt 40 ] && { timeout $(left 120) python3 benchmarks/expert_kernel.py --impls pallas,pallas-one \
+[ $((END - $(date +%s))) -gt 60 ] && { timeout $(left 120) python3 benchmarks/expert_kernel.py --impls pallas,pallas-one \
   --cases b1 --layers 12 --reps 10 --cuda-sweep none --sweep "$S" --sweep-cases b1 --out $OUT > /tmp/ek.log 2>&1
   echo "expert rc $?" >> $L; keep /tmp/ek.log 30; stamp expert; }
 ls -la $OUT >> $L
