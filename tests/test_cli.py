@@ -5,9 +5,11 @@ compilation cache fills on a first start so that the next one reads it."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,6 +20,24 @@ def run(script, *args, cache=None, timeout=300):
     env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(cache) if cache else "off")
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def start(script, *args, cache, sigint=signal.SIG_DFL):
+    """`run`'s twin for a tool to interrupt: started with SIGINT's given action, not whatever pytest's own process
+    has (a background job of a script inherits it ignored)."""
+    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(cache))
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+
+
+def interrupt(p) -> tuple[str, str]:
+    """SIGINT to `p`: its (stdout, stderr) once it has ended, which must take less than 30 s."""
+    t = time.time()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert time.time() - t < 30
+    return out, err
 
 
 def free_port() -> int:
@@ -77,18 +97,13 @@ def test_ctrl_c_stops_the_server_quietly(when, tmp_path, request):
     it compiles only its others; the one stopped while loading starts on an empty cache, so it is compiling.
     A server that inherits SIGINT as ignored (a background job of a script) still stops on it, through uvicorn's
     own handler, with status 0: uvicorn's re-raised signal is ignored, so no KeyboardInterrupt comes."""
-    import signal
-    import time
     import urllib.error
     import urllib.request
 
     port = free_port()
     cache = request.getfixturevalue("first_start")[0] if when == "ready" else tmp_path / "xla"
-    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(cache))
-    sigint = signal.SIG_IGN if "ignored" in when else signal.SIG_DFL  # not whatever pytest's own process has
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--port", str(port),
-                          "--max-batch", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    p = start("serve.py", "--port", str(port), "--max-batch", "1", cache=cache,
+              sigint=signal.SIG_IGN if "ignored" in when else signal.SIG_DFL)
     want = 200 if when == "ready" else 503
     deadline = time.time() + 600
     code = 0
@@ -101,33 +116,21 @@ def test_ctrl_c_stops_the_server_quietly(when, tmp_path, request):
             code = 0
         time.sleep(0.1)
     assert code == want, (code, p.poll())
-    t = time.time()
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert time.time() - t < 30
+    _, err = interrupt(p)
     assert p.returncode == (0 if "ignored" in when else 130), err[-2000:]
     assert "Traceback" not in err
 
 
 def test_ctrl_c_stops_generate_quietly(tmp_path):
     """SIGINT while generate.py compiles (an empty compilation cache): status 130 within seconds, no traceback."""
-    import signal
-    import time
-
-    env = dict(os.environ, JAXFLASH_COMPILE_CACHE=str(tmp_path / "xla"))
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--prompt", "And God said"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = start("generate.py", "--prompt", "And God said", cache=tmp_path / "xla")
     err = ""
     deadline = time.time() + 300
     while "[compiling" not in err and time.time() < deadline and p.poll() is None:
         err += p.stderr.readline()
     assert "[compiling" in err, err[-2000:]
     time.sleep(1)
-    t = time.time()
-    p.send_signal(signal.SIGINT)
-    out, rest = p.communicate(timeout=60)
-    assert time.time() - t < 30
+    out, rest = interrupt(p)
     assert p.returncode == 130, rest[-2000:]
     assert "Traceback" not in rest and out == ""
 
