@@ -274,7 +274,7 @@ def run_config(name, engine, prompts, args, trace_dir, gather_gbps, layout):
     if lookups:
         run.update(hit_rate=1 - misses / lookups, misses_per_step=misses / steps,
                    miss_gb_per_step=misses / steps * layout.record_bytes / 1e9)
-        if gather_gbps:
+        if gather_gbps and misses:  # no misses (a cache holding every expert the run routes to): no floor
             floor = run["miss_gb_per_step"] / gather_gbps
             run.update(gather_gbps=gather_gbps, pcie_floor_ms=floor * 1e3, step_over_floor=step_s / floor)
     if tr is not None:
