@@ -21,7 +21,8 @@ namespace jaxflash {
 
 namespace {
 
-constexpr int kResolveThreads = 1024;
+constexpr int kResolveThreads = 256;
+constexpr int kPickMax = 32;  // misses up to which one warp picks the victims (more: the block sorts)
 constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
 
@@ -66,6 +67,29 @@ __device__ int block_exclusive_scan(int v, int* s_warp, int* total) {
   return before + x - v;
 }
 
+// The m smallest of keys[0, P2) in ascending order into out[0, m), by m rounds of a warp-wide minimum, each
+// round taking its minimum out (one warp calls it). The m smallest must be distinct (resolve's candidate keys
+// hold their slot index), so exactly one lane holds each round's minimum.
+__device__ void pick_smallest(unsigned long long* keys, int P2, int m, unsigned long long* out) {
+  const int lane = threadIdx.x & 31;
+  for (int r = 0; r < m; ++r) {
+    unsigned long long best = ~0ull;
+    int at = -1;
+    for (int i = lane; i < P2; i += 32)
+      if (keys[i] < best) best = keys[i], at = i;
+    unsigned long long low = best;
+    for (int o = 16; o > 0; o >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, low, o);
+      low = other < low ? other : low;
+    }
+    if (at >= 0 && best == low) {
+      keys[at] = ~0ull;
+      out[r] = low;
+    }
+    __syncwarp();
+  }
+}
+
 __device__ __forceinline__ int32_t effective_stamp(int32_t s, bool rebase) {
   if (!rebase || s < 0) return s;
   return s >= kStampRebaseBy ? s - kStampRebaseBy : 0;
@@ -85,6 +109,7 @@ __global__ void resolve_kernel(const int32_t* __restrict__ ids, int64_t n, int32
   unsigned char* s_need = reinterpret_cast<unsigned char*>(s_missing + S);  // [S]
   __shared__ int s_warp[32];
   __shared__ int s_err, s_detail, s_badpos, s_state_bad;
+  __shared__ unsigned long long s_pick[kPickMax];
 
   const int tid = threadIdx.x, nt = blockDim.x;
   int32_t* slot_expert = state + kLruHeader;
@@ -179,8 +204,13 @@ __global__ void resolve_kernel(const int32_t* __restrict__ ids, int64_t n, int32
     }
   }
   __syncthreads();
-  if (go) {
-    // Bitonic sort of the P2 keys (ascending).
+  // The victims: the m candidates of lowest (stamp, slot), ascending. A decode step's few misses take m rounds
+  // of one warp; more (a prefill block's) a bitonic sort of all P2 keys by the block.
+  const unsigned long long* victims = s_keys;
+  if (go && m <= kPickMax) {
+    if (tid < 32) pick_smallest(s_keys, P2, m, s_pick);
+    victims = s_pick;
+  } else if (go) {
     for (int k = 2; k <= P2; k <<= 1) {
       for (int j = k >> 1; j > 0; j >>= 1) {
         for (int i = tid; i < P2; i += nt) {
@@ -196,8 +226,11 @@ __global__ void resolve_kernel(const int32_t* __restrict__ ids, int64_t n, int32
         __syncthreads();
       }
     }
+  }
+  __syncthreads();
+  if (go) {
     for (int r = tid; r < m; r += nt) {
-      const int v = static_cast<int>(s_keys[r] & 0xffffffffu);
+      const int v = static_cast<int>(victims[r] & 0xffffffffu);
       const int32_t old = slot_expert[v];
       if (old >= E || (old >= 0 && expert_slot[old] != v)) s_err = kBadLruState;
     }
@@ -221,7 +254,7 @@ __global__ void resolve_kernel(const int32_t* __restrict__ ids, int64_t n, int32
     __syncthreads();
   }
   for (int r = tid; r < m; r += nt) {
-    const int v = static_cast<int>(s_keys[r] & 0xffffffffu);
+    const int v = static_cast<int>(victims[r] & 0xffffffffu);
     const int32_t e = s_missing[r];
     const int32_t old = slot_expert[v];
     // Evicted experts are cached and not needed; new ones are not cached: the two sets never overlap.
