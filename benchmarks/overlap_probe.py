@@ -20,6 +20,11 @@ everything after them do in the engine. Forms:
            whether it does is XLA's choice (its command-buffer scheduling mode, XLA_FLAGS);
   stream   ahead, with each gather in `compute_on("gpu_stream:1")`: XLA's explicit stream annotation runs it on
            a second stream (an async call) that the compute of its layer joins.
+  dma      ahead, on the copy engines: `gather_start` (mode memcpy: the miss list read back to the host, then a
+           cudaMemcpyAsync per record on a side stream) for layer l+1 once layer l's copies are joined
+           (`gather_wait`), then compute l. These calls cannot sit in a CUDA graph, so XLA splits the step's
+           graph around them, and each start waits on the host for the stream to reach it.
+  dma_serial  the same calls with each layer's start right before its wait: the copy-engine path's own cost.
 The dependence on x is a zero XLA cannot fold ((x[0] != x[0]), false for finite x) added to the miss list.
 
 Reported per form: wall ms per step (median of `--reps` calls, one call per step), and from a profiler trace of
@@ -48,7 +53,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMS = ("compute", "gather", "serial", "ahead", "stream")
+FORMS = ("compute", "gather", "serial", "ahead", "stream", "dma_serial", "dma")
 
 
 def log(msg=""):
@@ -97,6 +102,23 @@ def build(form: str, pool, layers: int, hidden: int):
         elif form == "serial":
             for layer in range(layers):
                 caches[layer] = gathers[layer](misses[layer] + zero(x), info, caches[layer])
+                x = compute(x, weights[layer], caches[layer])
+        elif form in ("dma", "dma_serial"):
+            started = [None] * layers  # the miss list each start reads (alive until its wait)
+
+            def start(layer, x):
+                started[layer] = misses[layer] + zero(x)
+                return cache_ffi.gather_start(started[layer], info, caches[layer], pool=pool, layer=layer,
+                                              mode="memcpy")
+
+            if form == "dma":
+                caches[0] = start(0, x)
+            for layer in range(layers):
+                if form == "dma_serial":
+                    caches[layer] = start(layer, x)
+                caches[layer], x = cache_ffi.gather_wait(caches[layer], x, started[layer], info)
+                if form == "dma" and layer + 1 < layers:  # beside compute l; the wait joins every start so far
+                    caches[layer + 1] = start(layer + 1, x)
                 x = compute(x, weights[layer], caches[layer])
         else:  # ahead, stream: layer l+1's gather is issued from x_l, before layer l computes
             caches[0] = gathers[0](misses[0] + zero(x), info, caches[0])
