@@ -22,7 +22,8 @@ everything after them do in the engine. Forms:
            a second stream (an async call) that the compute of its layer joins.
   dma      ahead, on the copy engines: `gather_start` (mode memcpy: the miss list read back to the host, then a
            cudaMemcpyAsync per record on a side stream) for layer l+1 once layer l's copies are joined
-           (`gather_wait`), then compute l. These calls cannot sit in a CUDA graph, so XLA splits the step's
+           (`gather_wait`), then compute l, which takes a zero from the start's output so that XLA keeps
+           that order. These calls cannot sit in a CUDA graph, so XLA splits the step's
            graph around them, and each start waits on the host for the stream to reach it.
   dma_serial  the same calls with each layer's start right before its wait: the copy-engine path's own cost.
 The dependence on x is a zero XLA cannot fold ((x[0] != x[0]), false for finite x) added to the miss list.
@@ -119,6 +120,10 @@ def build(form: str, pool, layers: int, hidden: int):
                 caches[layer], x = cache_ffi.gather_wait(caches[layer], x, started[layer], info)
                 if form == "dma" and layer + 1 < layers:  # beside compute l; the wait joins every start so far
                     caches[layer + 1] = start(layer + 1, x)
+                    # a zero from the start's output, so that XLA schedules the start before compute l (a byte
+                    # read while the copy may write it: its value is never used)
+                    byte = caches[layer + 1][0, 0].astype(jnp.float32)
+                    x = (x.astype(jnp.float32) + (byte != byte)).astype(x.dtype)
                 x = compute(x, weights[layer], caches[layer])
         else:  # ahead, stream: layer l+1's gather is issued from x_l, before layer l computes
             caches[0] = gathers[0](misses[0] + zero(x), info, caches[0])
