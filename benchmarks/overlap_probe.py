@@ -42,7 +42,6 @@ On the CPU (no GPU) it runs tiny sizes as a smoke test: `--layers 2 --misses 2 -
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
