@@ -6,7 +6,7 @@ them early. This script measures two early guesses on a trained model's text, ea
 router applied to an input that exists before the layer's MoE input does:
   prev_moe   layer l-1's MoE input (available a whole layer early);
   mixer_in   layer l's mixer input (attention or GDN; available before the layer's mixer runs);
-Each layer has an LRU cache (`--slots`, cold at each window's start), as in host residency. Reported per
+Each layer has an expert cache under the engine's LRU rules (`--slots`, cold at each window's start). Reported per
 layer and on average, over tokens 1.. of each window: the cache's miss rate; for each guess, the share of
 the misses it names (what a prefetch of it would have fetched early), and the experts it names that are
 neither cached nor used by the token (a prefetch of them is wasted PCIe traffic), both per miss.
@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jaxflash.ffi.reference import LruModel  # noqa: E402
 
 
 def record_inputs(params, cfg, tokens):
@@ -73,30 +75,26 @@ def router_top_k(p, cfg, x):
     return np.asarray(idx)
 
 
-def cache_walk(actual: np.ndarray, guesses: dict, T: int, slots: int) -> dict:
-    """One layer's LRU cache of `slots` experts, cold at each window's start, over tokens [W*T, k]: its misses,
-    and for each guess the share of those misses it names and the experts it names that are neither cached nor
-    used (a prefetch of them would be wasted), both per miss."""
+def cache_walk(actual: np.ndarray, guesses: dict, T: int, slots: int, num_experts: int) -> dict:
+    """One layer's expert cache of `slots` slots under the engine's rules (jaxflash.ffi.reference.LruModel), cold
+    at each window's start, over tokens [W*T, k]: its misses, and for each guess the share of those misses it
+    names and the experts it names that are neither cached nor used (a prefetch of them would be wasted), both
+    per miss."""
     out = {"misses": 0, "uses": 0}
     named = dict.fromkeys(guesses, 0)
     wasted = dict.fromkeys(guesses, 0)
-    cache: list[int] = []  # least recently used first
     for i, row in enumerate(actual.tolist()):
         if i % T == 0:
-            cache = []
-        miss = set(row) - set(cache)
+            cache = LruModel(slots, num_experts)
+        cached = set(cache.where)
+        miss = {e for e, _ in cache.resolve(row)[1]}
         if i % T:  # token 0 of a window (an empty cache) is not scored
             out["misses"] += len(miss)
             out["uses"] += len(row)
             for name, g in guesses.items():
                 guess = set(g[i].tolist())
                 named[name] += len(guess & miss)
-                wasted[name] += len(guess - set(row) - set(cache))
-        for e in row:
-            if e in cache:
-                cache.remove(e)
-            cache.append(e)
-        del cache[:-slots]
+                wasted[name] += len(guess - set(row) - cached)
     m = max(out["misses"], 1)
     out.update({f"{n}_covers": named[n] / m for n in guesses}, **{f"{n}_wasted": wasted[n] / m for n in guesses})
     out["miss_rate"] = out["misses"] / max(out["uses"], 1)
@@ -113,7 +111,7 @@ def measure(params, cfg, windows: np.ndarray, slots: int) -> dict:
         guesses = {"mixer_in": router_top_k(p, cfg, mixer_in[layer])}
         if layer > 0:
             guesses["prev_moe"] = router_top_k(p, cfg, moe_in[layer - 1])
-        rows.append({"layer": layer, **cache_walk(ids[layer], guesses, T, slots)})
+        rows.append({"layer": layer, **cache_walk(ids[layer], guesses, T, slots, E)})
     cols = ["miss_rate", "mixer_in_covers", "mixer_in_wasted", "prev_moe_covers", "prev_moe_wasted"]
     mean = {c: float(np.mean([r[c] for r in rows if c in r])) for c in cols}
     return {"layers": rows, "mean": mean, "random_covers": k / E, "windows": W, "tokens": T, "experts": E,

@@ -20,7 +20,7 @@ def test_cache_walk_counts_by_hand():
     actual = np.array([[0, 1], [1, 2], [2, 3]])
     good = np.array([[5, 5], [2, 3], [0, 3]])  # names both misses; 3 (token 1) and 0 (token 2) are wasted
     bad = np.array([[5, 5], [0, 3], [1, 0]])  # names neither; 3 and 0 wasted; 0 (cached at token 1) and 1 not
-    r = route_ahead.cache_walk(actual, {"good": good, "bad": bad}, T=3, slots=2)
+    r = route_ahead.cache_walk(actual, {"good": good, "bad": bad}, T=3, slots=2, num_experts=6)
     assert (r["misses"], r["uses"]) == (2, 4)
     assert r["miss_rate"] == pytest.approx(0.5)
     assert (r["good_covers"], r["good_wasted"]) == (pytest.approx(1.0), pytest.approx(1.0))
@@ -31,6 +31,6 @@ def test_cache_walk_starts_each_window_cold():
     # two windows of 2 tokens, top-1, 3 slots: with the cache kept across windows, token 1 of window 2 (expert
     # 0, used in window 1) would hit; cold, it misses
     actual = np.array([[0], [1], [2], [0]])
-    r = route_ahead.cache_walk(actual, {"g": np.array([[9], [1], [9], [0]])}, T=2, slots=3)
+    r = route_ahead.cache_walk(actual, {"g": np.array([[9], [1], [9], [0]])}, T=2, slots=3, num_experts=10)
     assert (r["misses"], r["uses"]) == (2, 2)
     assert r["g_covers"] == pytest.approx(1.0)
