@@ -187,6 +187,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown forms {bad}; expected some of {FORMS}")
     if a.misses > a.experts:
         ap.error("--misses must not exceed --experts")
+    block_counts = [int(b) for b in a.gather_blocks.split(",")]
+    if block_counts != [0] and not hasattr(_ext.module(), "set_gather_blocks_per_record"):
+        ap.error("--gather-blocks sets a knob of the CUDA build of jaxflash's FFI module, which is not loaded")
     cfg = presets.full()
     hidden = cfg.hidden_size
     layout = ExpertLayout.from_config(cfg)
@@ -216,8 +219,8 @@ def main(argv=None) -> int:
               "layers": a.layers, "misses": a.misses, "record_bytes": layout.record_bytes,
               "compute_bytes_per_layer": rows * hidden * 2, "pinned": bool(pool.pinned),
               "python": platform.python_version(), "forms": {}}
-    for blocks in [int(b) for b in a.gather_blocks.split(",")]:
-        if blocks or len(a.gather_blocks.split(",")) > 1:  # a CUDA build's knob, read when a graph is captured
+    for blocks in block_counts:
+        if block_counts != [0]:  # a CUDA build's knob, read when a graph is captured
             _ext.module().set_gather_blocks_per_record(blocks)
         for form in forms:
             name = form if blocks == 0 else f"{form}@{blocks}"
