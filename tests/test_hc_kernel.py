@@ -15,6 +15,7 @@ fuse the combine's multiply-add (1e-7).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,7 @@ def test_mix_matches_twin(dt, inject):
     p = random_hc(rng, cfg, dt, inject)
     s, eps = cfg.hc_count, cfg.rms_norm_eps
     for shape, scale in (((1, 1), 3.0), ((3, 1), 1e-3), ((2, 4), 50.0)):  # 8 rows: the kernels' most
+        assert hc_mix.takes(math.prod(shape), cfg.hidden_size * s, s, cfg.hc_lowrank)  # or the twin met itself
         h = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size * s)) * scale, jnp.float32)
         x0, i0 = hc.mix(p, h, s, eps)
         x1, i1 = hc.mix(p, h, s, eps, kernel=True)
@@ -88,24 +90,25 @@ def test_mix_matches_twin(dt, inject):
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(block_r=8, block_h=16, splits=5), dict(block_r=2, splits=5),
-                                   dict(up_warps=4, r_piece=256)])
+                                   dict(up_warps=4, r_piece=256), dict(splits=1)])
 def test_full_size_mix_matches_twin(tiles):
-    """Full-size shapes (several loads per program; a stream's columns split over programs), with and without
-    a pending combine."""
+    """Full-size shapes (several loads per program; a stream's columns split over programs: by default from
+    three rows on, row_splits), with and without a pending combine; two rows, and four with the default tiles."""
     cfg = presets.preset("full")
     rng = np.random.default_rng(8)
     p = random_hc(rng, cfg, jnp.bfloat16, True)
     s, eps, w = cfg.hc_count, cfg.rms_norm_eps, cfg.hidden_size * cfg.hc_count
-    h = jnp.asarray(rng.normal(size=(2, w)), jnp.float32)
-    inj = jnp.asarray(rng.uniform(0, 2, size=(2, s)), jnp.float32)
-    y = jnp.asarray(rng.normal(size=(2, cfg.hidden_size)), jnp.bfloat16)
-    x0, i0 = hc.mix(p, h, s, eps)
-    x1, i1, h1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, **tiles)
-    assert rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
-    np.testing.assert_array_equal(np.asarray(h1), np.asarray(h))
-    hc0, x0, i0 = hc.combine_mix(p, h, inj, y, s, eps)
-    x1, i1, hc1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, pending=(inj, y), **tiles)
-    assert rel_err(hc1, hc0) < 1e-6 and rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
+    for rows in (2, 4) if not tiles else (2,):
+        h = jnp.asarray(rng.normal(size=(rows, w)), jnp.float32)
+        inj = jnp.asarray(rng.uniform(0, 2, size=(rows, s)), jnp.float32)
+        y = jnp.asarray(rng.normal(size=(rows, cfg.hidden_size)), jnp.bfloat16)
+        x0, i0 = hc.mix(p, h, s, eps)
+        x1, i1, h1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, **tiles)
+        assert rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
+        np.testing.assert_array_equal(np.asarray(h1), np.asarray(h))
+        hc0, x0, i0 = hc.combine_mix(p, h, inj, y, s, eps)
+        x1, i1, hc1 = hc_mix.mix(h, p.norm, p.down, p.up, p.inject, s, eps, pending=(inj, y), **tiles)
+        assert rel_err(hc1, hc0) < 1e-6 and rel_err(x1, x0) < 1e-5 and rel_err(i1, i0) < 1e-5
 
 
 def test_bf16_parts_are_exact():
@@ -143,7 +146,10 @@ def test_takes_and_fallback(monkeypatch):
     assert not hc_mix.takes(1, 3 * 64, 3, r)  # streams not a power of two
     assert not hc_mix.takes(1, w, s, 18)  # a rank the blocks do not tile
     assert not hc_mix.takes(1, w, s, r, splits=2)  # a stream of one chunk cannot be split
+    # from SPLIT_FROM_ROWS rows on a stream's columns split over ROWS_SPLITS programs where its chunks allow it
     full = presets.preset("full")
+    assert [hc_mix.row_splits(n, full.hidden_size) for n in (1, 2, 3, 8)] == [1, 1, 5, 5]
+    assert hc_mix.row_splits(8, cfg.hidden_size) == 1  # the tiny stream is one chunk
     assert hc_mix.takes(1, full.hidden_size * full.hc_count, full.hc_count, full.hc_lowrank)
     with pytest.raises(ValueError, match="hc_mix takes"):
         hc_mix.mix(jnp.zeros((9, w)), jnp.zeros(w), jnp.zeros((r, w)), jnp.zeros((w, r)), None, s, 1e-6)

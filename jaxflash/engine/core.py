@@ -338,10 +338,10 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     prefill chunks its chunked form in three (jaxflash.kernels.gdn_chunk); default: on a GPU where they apply,
     bfloat16 or float32; True elsewhere runs them in interpret mode, False keeps XLA's form.
     hc_kernel: decode and verify steps run the hyper-connection mixes in two kernels each, with the
-    combine before the MoE's mix inside them (jaxflash.kernels.hc_mix). Default: on a GPU for steps of one token
-    row (hc_mix.FASTER_ROWS; from 2 rows XLA's mix is faster on the H200); an int: steps of at most that many
-    rows; True: every step the kernels take (up to hc_mix.MAX_ROWS rows; elsewhere than a GPU in interpret mode);
-    False: never.
+    combine before the MoE's mix inside them (jaxflash.kernels.hc_mix). Default: on a GPU for steps of one or two
+    token rows (hc_mix.FASTER_ROWS; from 4 rows XLA's mix is faster, measured on an H100); an int: steps of at
+    most that many rows; True: every step the kernels take (up to hc_mix.MAX_ROWS rows; elsewhere than a GPU in
+    interpret mode); False: never.
     attention_kernel: decode and verify steps attend over the paged KV cache in one kernel per layer
     (jaxflash.kernels.attention_decode; default: on a GPU where it applies, bfloat16 or float32; True elsewhere
     runs it in interpret mode, False keeps XLA's form).

@@ -40,15 +40,29 @@ Array = jax.Array
 MAX_ROWS = 8  # token rows the kernels take (the rows are unrolled in the program); more rows take XLA's mix
 _CHUNK = 512  # weight columns (of a stream) per load of the down kernel, at most
 _ACC_PER_THREAD = 32  # float32 accumulators per thread in the down kernel (its chunks shrink with more rows)
-# Token rows up to which the kernels beat XLA's mix on the H200 (benchmarks/RESULTS.md; one mix with its combine
-# inside the kernels: 1 row 9.2 us against XLA's 13.6; 8 rows 43.9 against 21.3). The engine runs them for steps
-# of at most this many rows.
-FASTER_ROWS = 1
+# Token rows up to which the kernels beat XLA's mix (benchmarks/RESULTS.md; one mix with its combine inside the
+# kernels: 1 row 9.2 us against XLA's 13.6 on the H200; 2 rows 12.6 against 20.9 on an H100, where 4 rows took
+# 24.2 against 21.7). The engine runs them for steps of at most this many rows: decode at batch 2, and the verify
+# step of one sequence with one draft.
+FASTER_ROWS = 2
 # Tiles measured best on the H200 at one row (benchmarks/hc_kernel.py, 15 variants): rows of down per program,
 # columns per program of the up kernel, warps of the down kernel, splits of a stream's columns in the down
 # kernel, warps of the up kernel (2 rather than the down kernel's 4: 9.2 us per mix against 10.9).
 # R_PIECE: bottleneck columns per load of the up kernel, at most (the rank is read in power-of-two pieces).
 BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
+# A down program holds its residual rows [rows, its columns] in registers. From SPLIT_FROM_ROWS rows on, a
+# stream's columns are split over up to ROWS_SPLITS programs, so that 8 rows of 512 columns take 32 registers a
+# thread. On an H100 at 4 rows: 24.2 us per mix against 32.4 for whole streams; at 2 rows 13.1 against 12.6.
+SPLIT_FROM_ROWS, ROWS_SPLITS = 3, 5
+
+
+def row_splits(rows: int, hidden: int, block_r: int = BLOCK_R, warps: int = WARPS) -> int:
+    """The default column splits per stream for a mix of `rows` rows of streams `hidden` wide: SPLITS below
+    SPLIT_FROM_ROWS rows; from there, the most up to ROWS_SPLITS that divide the stream's chunks."""
+    if rows < SPLIT_FROM_ROWS:
+        return SPLITS
+    chunks = hidden // _chunk(hidden, rows, block_r, warps)
+    return max(d for d in range(1, ROWS_SPLITS + 1) if chunks % d == 0)
 
 
 def _pieces(n: int, cap: int) -> tuple[tuple[int, int], ...]:
@@ -69,11 +83,13 @@ def _chunk(hidden: int, rows: int, block_r: int, warps: int) -> int:
 
 
 def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R, block_h: int = BLOCK_H,
-          splits: int = SPLITS, warps: int = WARPS) -> bool:
+          splits: int | None = None, warps: int = WARPS) -> bool:
     """Whether the kernels run a mix of `rows` float32 rows: few rows, power-of-two stream count, and
-    blocks that tile the stream width and the rank (Triton blocks are powers of two)."""
+    blocks that tile the stream width and the rank (Triton blocks are powers of two). splits: default
+    row_splits."""
     hidden = width // streams
     chunk = _chunk(hidden, max(rows, 1), block_r, warps)
+    splits = splits or row_splits(rows, hidden, block_r, warps)
     return (1 <= rows <= MAX_ROWS and streams & (streams - 1) == 0 and hidden * streams == width
             and rank % block_r == 0 and hidden % block_h == 0 and chunk >= 16 and (hidden // chunk) % splits == 0
             and rank % 8 == 0)
@@ -186,14 +202,15 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
 
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
-        block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int = SPLITS,
+        block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int | None = None,
         up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]) or
     (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
-    (hyper_connection.combine); the returned h is then the combined one, else h itself.
-    interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    (hyper_connection.combine); the returned h is then the combined one, else h itself. splits: default
+    row_splits. interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    splits = splits or row_splits(h.shape[0], h.shape[1] // streams, block_r, warps)
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
                 warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
