@@ -319,8 +319,8 @@ def main(argv=None) -> int:
                          "jaxflash.kernels.gdn_decode, on a GPU), on, off (XLA's form)")
     ap.add_argument("--hc-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the hyper-connection mix kernels, "
-                         "jaxflash.kernels.hc_mix, for steps of at most hc_mix.FASTER_ROWS rows on a GPU), on (every step "
-                         "they take), off (XLA's mix)")
+                         "jaxflash.kernels.hc_mix, for steps of at most hc_mix.FASTER_ROWS rows on a GPU), on "
+                         "(every step they take), off (XLA's mix)")
     ap.add_argument("--attention-kernel", default="auto",
                     help="comma-separated: auto (the engine's default: the paged attention kernel on a GPU), on, "
                          "off (XLA's attention)")
