@@ -89,7 +89,7 @@ def takes(rows: int, width: int, streams: int, rank: int, block_r: int = BLOCK_R
     row_splits."""
     hidden = width // streams
     chunk = _chunk(hidden, max(rows, 1), block_r, warps)
-    splits = splits or row_splits(rows, hidden, block_r, warps)
+    splits = row_splits(rows, hidden, block_r, warps) if splits is None else splits
     return (1 <= rows <= MAX_ROWS and streams & (streams - 1) == 0 and hidden * streams == width
             and rank % block_r == 0 and hidden % block_h == 0 and chunk >= 16 and (hidden // chunk) % splits == 0
             and rank % 8 == 0)
@@ -210,7 +210,7 @@ def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, str
     (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
     (hyper_connection.combine); the returned h is then the combined one, else h itself. splits: default
     row_splits. interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
-    splits = splits or row_splits(h.shape[0], h.shape[1] // streams, block_r, warps)
+    splits = row_splits(h.shape[0], h.shape[1] // streams, block_r, warps) if splits is None else splits
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
                 warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
