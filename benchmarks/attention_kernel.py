@@ -25,7 +25,6 @@ Per layer: the summed GPU kernel time from a profiler trace, the kernels per lay
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import COPY_CEILING, log, Stepper, rel_err, trace_kernels_by_name, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 CASES = "1:1:112:4096,1:1:4000:4096,1:1:32000:32768,8:1:4000:4096,1:4:4000:4096"
@@ -242,10 +242,7 @@ def main(argv=None) -> int:
             + ", ".join(f"{n['scope']} {n['variant']} {n['rel_err']:.1e}" for n in res["numerics"]
                         if n["case"] == case and "rel_err" in n))
         del caches0
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "attention_kernel.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "attention_kernel.json", res)
     return 0
 
 

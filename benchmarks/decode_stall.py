@@ -19,7 +19,6 @@ Reported: A's gaps between consecutive tokens before B arrives (median: the plai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import decode  # noqa: E402 -- benchmarks/decode.py: the model, device residency, routing streams
+from results_file import write_json  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -164,12 +164,9 @@ def main(argv=None) -> int:
         + ", ".join(f"{g:.0f}" for g in during) + " ms)")
     log(f"  B's time to first token: {res['b_ttft_s'] * 1e3:.0f} ms "
         f"({args.prompt / res['b_ttft_s']:.0f} prompt tok/s beside the stream)")
-    out = args.out
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        log(f"results: {os.path.join(out, 'results.json')}")
+    path = write_json(args.out, "results.json", res)
+    if path:
+        log(f"results: {path}")
     return 0
 
 

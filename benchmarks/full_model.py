@@ -17,13 +17,14 @@ uses smaller primes); the real one is 48 GiB of FP8 and would only change the ho
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from results_file import write_json  # noqa: E402
 
 
 def device_bytes(dev) -> int | None:
@@ -120,10 +121,7 @@ def main(argv=None) -> int:
                       "finite": bool(np.isfinite(drafts).all()), "logit_std": float(np.std(drafts))}
         print(f"MTP head over {n} tokens: {res['mtp']}", flush=True)
 
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "full_model.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "full_model.json", res)
     return 0
 
 

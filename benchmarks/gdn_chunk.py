@@ -19,7 +19,6 @@ and betas in the model's ranges) and `hard` (no decay, beta 1: the largest entri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import COPY_CEILING, log, trace_kernels_by_name, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -133,10 +133,7 @@ def main(argv=None) -> int:
                 line = f"T {t:6d} {name:18s}: {run['error']}"
             log(line)
             res["runs"].append(run)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gdn_chunk.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "gdn_chunk.json", res)
     return 0
 
 

@@ -17,7 +17,6 @@ It first checks the kernel's numerics against XLA's on the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import COPY_CEILING, log, Stepper, rel_err, trace_kernels, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -170,10 +170,7 @@ def main(argv=None) -> int:
                      f"{run['floor_us']:.2f} us, {run['fraction_of_hbm']:.1%} of 4.2 TB/s")
         log(line)
         res["runs"].append(run)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gdn_kernel.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "gdn_kernel.json", res)
     return 0
 
 

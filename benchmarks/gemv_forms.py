@@ -20,7 +20,6 @@ waiting for the last, never allow: benchmarks/gdn_kernel.py measures the form in
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -99,10 +99,7 @@ def main(argv=None) -> int:
                     next(r for r in res["runs"] if r["shape"] == name and r["rows"] == rows
                          and r["form"] == form)["rel_diff_vs_dot"] = err
                     log(f"  {name:14s} rows {rows}: {form} vs dot, relative difference {err:.2e}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gemv_forms.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
+    write_json(args.out, "gemv_forms.json", res)
     return 0
 
 

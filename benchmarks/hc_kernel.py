@@ -18,7 +18,6 @@ bf16) and the fraction of 4.2 TB/s; first the numerics of every variant against 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels_by_name, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def random_mixes(preset, count, note=""):
@@ -143,10 +143,7 @@ def main(argv=None) -> int:
             if on_gpu():
                 log("      " + "; ".join(f"{k[:40]} {t:.2f}" for k, t in run["top_kernels_us_per_mix"]))
             res["runs"].append(run)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "hc_kernel.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "hc_kernel.json", res)
     return 0
 
 

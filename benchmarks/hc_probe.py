@@ -23,7 +23,6 @@ hc_mix.mix (the ablations compute something else and print no error).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hc_kernel import random_mixes  # noqa: E402
 from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels_by_name, wall_us  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 class Const:
@@ -230,10 +230,7 @@ def main(argv=None) -> int:
                              + "; ".join(f"{k[:24]} {t / args.mixes:.2f}" for k, t in top) + ")")
                 log(line)
                 res["runs"].append(run)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "hc_probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "hc_probe.json", res)
     return 0
 
 

@@ -16,7 +16,6 @@ difference of the weights, gate and activation). --warps: the kernel at each of 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import log, rel_err, trace_kernels_by_name  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -92,10 +92,7 @@ def main(argv=None) -> int:
             log(f"  {name:6s} {total / args.layers:7.2f} us per block ({n / args.layers:.1f} kernels): "
                 + ", ".join(f"{kn[:40]} {t / args.layers:.2f}" for kn, t in top[:5]))
         result["cases"].append(case)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "moe_inputs.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, "moe_inputs.json", result)
     return 0
 
 

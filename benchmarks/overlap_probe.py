@@ -42,7 +42,6 @@ On the CPU (no GPU) it runs tiny sizes as a smoke test: `--layers 2 --misses 2 -
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -52,6 +51,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results_file import write_json  # noqa: E402
 
 FORMS = ("compute", "gather", "serial", "ahead", "stream", "dma_serial", "dma")
 
@@ -264,10 +265,7 @@ def main(argv=None) -> int:
         log(f"floor max(compute, gather) {floor:.3f} ms; serial sum "
             f"{f['compute']['wall_ms'] + f['gather']['wall_ms']:.3f} ms")
     pool.close()
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"overlap_probe_{mode}.json"), "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_json(a.out, f"overlap_probe_{mode}.json", result)
     return 0
 
 

@@ -19,7 +19,6 @@ and the next one's start (negative: they overlap).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trace_parts import gpu_kernels  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 FORMS = ("plain", "pdl", "wait")
 _WAIT = "griddepcontrol.wait;\nmov.b32 $0, $1;"
@@ -129,10 +129,7 @@ def main(argv=None) -> int:
             print(f"  {rows:3d} rows x {warps} warps {form:6s} {r['us_per_kernel_wall']:6.2f} us/kernel "
                   f"({r['tb_s']:.2f} TB/s); traced: kernel {r['kernel_us_median']:.2f} us, gap "
                   f"{r['gap_us_median']:+.2f} us", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "pdl_probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "pdl_probe.json", res)
     return 0
 
 

@@ -21,7 +21,6 @@ it, pass --text. The model runs eagerly in float32, with its MoE and mixer input
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxflash.ffi.reference import LruModel  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def record_inputs(params, cfg, tokens):
@@ -158,10 +158,7 @@ def main(argv=None) -> int:
         print(f"{row['layer']:>5} " + " ".join(f"{row[n]:16.3f}" if n in row else f"{'-':>16}" for n in names))
     print("mean  " + " ".join(f"{r['mean'][n]:16.3f}" for n in names))
     print(f"a random guess of {cfg.num_experts_per_tok} experts covers {r['random_covers']:.3f} of the misses")
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "route_ahead.json"), "w") as f:
-            json.dump(r, f, indent=1)
+    write_json(a.out, "route_ahead.json", r)
     return 0
 
 

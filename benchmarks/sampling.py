@@ -24,7 +24,6 @@ The forms after `logprobs` are candidates for a filtered sampler without the ful
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_timing import log, trace_kernels  # noqa: E402
+from results_file import write_json  # noqa: E402
 
 
 def ordered_key(x):
@@ -147,10 +147,7 @@ def main():
             us, n = trace_kernels(jax.jit(fn), (logits,), args.reps)
             log(f"  rows {rows:2d}  {name:12s} {us:8.1f} us  {n:4d} kernels")
             results["runs"].append({"rows": rows, "form": name, "us": us, "kernels": n})
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sampling.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, "sampling.json", results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ the first token's time is taken off) and the speedup over plain decoding.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -25,6 +24,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_file import write_json  # noqa: E402
 
 
 def run(engine, prompts, new: int):
@@ -122,10 +123,7 @@ def main(argv=None) -> int:
             line += (f", drafts {st['drafts_fed']} fed / {st['drafts_accepted']} kept ({kept}), speedup "
                      f"{row['speedup']:.2f}x, {row['equal_to_plain']}/{len(outs[c])} windows equal to plain")
         print(line, flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "speculative.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "speculative.json", res)
     return 0
 
 

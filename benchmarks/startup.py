@@ -23,6 +23,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, HERE)
+
+from results_file import write_json  # noqa: E402
 
 # one start, in its own process; argv: the options as JSON
 START = r"""
@@ -88,10 +91,7 @@ def main(argv=None) -> int:
     same = all(s["tokens"] == res["starts"][0]["tokens"] for s in res["starts"])
     res["same_tokens"] = same
     print(f"greedy tokens of a fixed prompt equal in every start: {same}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "startup.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, "startup.json", res)
     return 0 if same else 1
 
 

@@ -164,11 +164,12 @@ def ref4_engine(ref4):
 # ----- a synthetic NVFP4 model: the layout the host expert pool holds -------------------------------------------
 @pytest.fixture(scope="session")
 def nvfp4_dir(tmp_path_factory):
-    """A synthetic tiny model with NVFP4 experts (8 layers, 16 experts, top-4, an MTP head; group "nvfp4")."""
+    """A synthetic tiny model with NVFP4 experts (4 layers: 3 GDN, 1 attention, PLE at layer 2; 16 experts, top-4,
+    an MTP head; group "nvfp4"). Four layers hold every kind of layer and state and compile in half the time."""
     from jaxflash import synthetic
 
     out = tmp_path_factory.mktemp("nvfp4")
-    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(out), progress=False)
+    synthetic.make_model("tiny", "nvfp4", seed=5, out=str(out), num_layers=4, progress=False)
     return str(out)
 
 

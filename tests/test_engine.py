@@ -4,8 +4,9 @@ jaxflash's own full-sequence forward, on tiny models.
 Reference model (conftest.py's ref4, shared with test_speculative.py): transformers' qwen4_exp, float64, 4 layers
 (3 GDN + 1 attention with QSA budget 8 tokens), PLE, 8 experts top-2; test_model.py checks the full forward on 8
 layers. Prompts hold EOS tokens (PLE n-gram segments) and generation runs far past the QSA budget. The decode
-steps of a model with 2 attention layers (the synthetic NVFP4 model, 8 layers) are checked against the full
-forward by test_mtp_drafts_equal_the_teacher_forced_head: every draft reads the main model's state.
+steps of a model with 2 attention layers (the bundled model, 8 layers) are checked against the full forward by
+test_bundled_decode_step_logits_equal_full_forward, and the synthetic NVFP4 model's (4 layers) by
+test_mtp_drafts_equal_the_teacher_forced_head: every draft reads the main model's state.
 Tolerances: decode-step logits vs the full forward, both float32: 1e-4 of the largest logit (measured 1e-6).
 """
 
@@ -84,6 +85,18 @@ def test_decode_step_logits_equal_full_forward(ref, engine):
     full = engine.logits(seq)[len(p) - 1 :]
     assert rel_err(logits, full) < TOL
     assert rel_err(logits, hf_logits(model, seq)[len(p) - 1 :]) < TOL
+
+
+@pytest.mark.xdist_group("bundled")
+def test_bundled_decode_step_logits_equal_full_forward(bundled):
+    """The trained bundled model (conftest.py's engine, shared with test_scheduler.py) has 2 attention layers, so
+    the decode steps' paged KV of more than one attention layer is checked here against the full forward."""
+    cfg = bundled.config
+    assert len(cfg.attention_layers) >= 2
+    n = cfg.indexer_budget + 8  # past QSA's budget, which then selects blocks
+    p = prompt(np.random.default_rng(3), n - 30, cfg.vocab_size, cfg.eos_token_id, eos_at=[9])
+    toks, logits, _ = bundled.scheduler.step_logits(p, steps=30)
+    assert rel_err(logits, bundled.logits(p + toks[:-1])[len(p) - 1 :]) < TOL
 
 
 @REF4

@@ -195,7 +195,7 @@ def test_engine_decode_through_the_cuda_route(nvfp4_dir, monkeypatch):
     """A bfloat16 engine with host-resident experts and expert_kernel="cuda" calls the route on its cache slots in
     every decode layer and decodes what the jnp path decodes: the same greedy tokens up to the first step whose
     top two logits lie closer than the two paths' difference, and logits within 2e-2 of the largest (bfloat16
-    activations through 8 layers). (Resident experts take the route through ResidentExperts, test_matches_twin.)"""
+    activations through 4 layers). (Resident experts take the route through ResidentExperts, test_matches_twin.)"""
     residency = "host"
     calls = []
     real = nvfp4_moe.expert_pairs
