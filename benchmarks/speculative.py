@@ -6,7 +6,10 @@ are prompts of P tokens; each is continued greedily for N tokens by plain decodi
 proposer (--spec) and K = 1, 2, 3 drafts (one sequence, max_batch 1). Greedy speculation must give plain decoding's
 tokens, and the script checks that it did. Per configuration: tokens per step (generated / decode steps,
 verify steps included), drafts fed and kept, the fraction kept, decode wall time per token (prefill excluded:
-the first token's time is taken off) and the speedup over plain decoding.
+the first token's time is taken off) and the speedup over plain decoding. Then the same windows again (--off-rounds
+times) with every speculating engine's drafts held off (its scheduler finds every verify step too dear), which
+gives the floor of adaptive drafts: what a speculating engine costs per token when drafts never pay, against
+plain decoding (the median round).
 
     python benchmarks/speculative.py                      # the bundled model on this machine's CPU
     python benchmarks/speculative.py --windows 4 --new 32 # a quick run
@@ -49,6 +52,28 @@ def run(engine, prompts, new: int):
     return outs, secs, {k: after[k] - before[k] for k in before}
 
 
+def drafts_off(engine):
+    """The engine's scheduler with step costs under which no draft pays (it runs plain decode steps only)."""
+    from jaxflash.engine.scheduler import StepCosts
+
+    class NoDrafts(StepCosts):
+        def of(self, rows, fed):
+            return 1.0 if fed == 0 else float("inf")
+
+    engine.scheduler.costs = NoDrafts()
+    return engine
+
+
+def program_costs(engine) -> dict:
+    """XLA's cost analysis of the one-slot programs the engine decodes with (Runner.program_cost)."""
+    from jaxflash.engine.runner import Want
+
+    runner, names = engine.scheduler.runner, ["decode"]
+    names += ["verify"] if runner.setup.draft_tokens else []
+    names += ["catch_up", "resume"] if runner.setup.head_lags else []
+    return {n: runner.program_cost(n, None if n in ("catch_up", "resume") else Want(), 1) for n in names}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
@@ -58,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=96, help="prompt tokens per window")
     ap.add_argument("--new", type=int, default=64, help="generated tokens per window")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--off-rounds", type=int, default=5, help="rounds of the pass with drafts held off")
     ap.add_argument("--out", default=None, help="directory for speculative.json")
     args = ap.parse_args(argv)
     specs = args.spec.split(",")
@@ -108,7 +134,8 @@ def main(argv=None) -> int:
         tokens = sum(len(o) for o in outs[c]) - len(outs[c])  # the first token of each window is prefill's
         row = {"proposer": proposer, "draft_tokens": k, "tokens": tokens, "decode_steps": st["decode_steps"],
                "verify_steps": st["verify_steps"], "drafts_fed": st["drafts_fed"],
-               "drafts_kept": st["drafts_accepted"], "decode_s": secs[c], "ms_per_token": secs[c] / tokens * 1e3}
+               "drafts_kept": st["drafts_accepted"], "catch_ups": st.get("catch_ups"), "decode_s": secs[c],
+               "ms_per_token": secs[c] / tokens * 1e3}
         row["tokens_per_step"] = tokens / max(st["decode_steps"], 1)
         row["kept_fraction"] = st["drafts_accepted"] / st["drafts_fed"] if st["drafts_fed"] else None
         name = f"{proposer} K={k}" if k else "plain"
@@ -123,6 +150,42 @@ def main(argv=None) -> int:
             line += (f", drafts {st['drafts_fed']} fed / {st['drafts_accepted']} kept ({kept}), speedup "
                      f"{row['speedup']:.2f}x, {row['equal_to_plain']}/{len(outs[c])} windows equal to plain")
         print(line, flush=True)
+    # drafts held off: each speculating engine's plain steps against the plain engine's, windows taking turns, in
+    # --off-rounds rounds: the median round of each (this machine's speed drifts by tens of % within minutes)
+    off = {c: [] for c in ks}
+    for c in ks[1:]:
+        drafts_off(engines[c])
+    for _ in range(args.off_rounds):
+        secs_round = {c: 0.0 for c in ks}
+        for i, p in enumerate(prompts):
+            for c in ks:
+                o, dt, st = run(engines[c], [p], args.new)
+                assert st["verify_steps"] == 0 and o[0] == outs[plain][i]
+                secs_round[c] += dt
+        for c in ks:
+            off[c].append(secs_round[c])
+    print(f"drafts held off ({args.off_rounds} rounds, the median):")
+    for row, c in zip(res["runs"], ks):
+        ratios = [a / b for a, b in zip(off[plain], off[c])]  # plain's time over this one's, round by round
+        row["drafts_off_ms_per_token"] = float(np.median(off[c])) / row["tokens"] * 1e3
+        row["drafts_off_speedup"] = float(np.median(ratios))
+        row["drafts_off_speedup_range"] = [min(ratios), max(ratios)]
+        name = f"{c[0]} K={c[1]}" if c[1] else "plain"
+        print(f"  {name:11s}: {row['drafts_off_ms_per_token']:.2f} ms/token, {row['drafts_off_speedup']:.3f}x plain "
+              f"(rounds {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    # what the programs compute, by XLA's count: deterministic where the times above are not
+    print("programs, one slot (XLA's cost analysis; x: against the plain engine's decode step):")
+    base = None
+    for row, c in zip(res["runs"], ks):
+        row["programs"] = costs = program_costs(engines[c])
+        if None in costs.values():
+            print("  (no cost analysis on this backend)")
+            break
+        base = base or costs["decode"]
+        name = f"{c[0]} K={c[1]}" if c[1] else "plain"
+        print(f"  {name:11s}: " + "; ".join(f"{n} {v['flops'] / 1e6:.2f} MFLOP ({v['flops'] / base['flops']:.3f}x), "
+                                            f"{v['bytes'] / 1e6:.2f} MB ({v['bytes'] / base['bytes']:.3f}x)"
+                                            for n, v in costs.items()), flush=True)
     write_json(args.out, "speculative.json", res)
     return 0
 

@@ -14,11 +14,14 @@ tau / (verify step time) tokens per second. The program runs as the scheduler ru
 previous step's outputs are read, one step in flight.
 
 Reported per configuration: the wall time per step (steady state), the GPU busy time and kernels per step from
-a profiler trace and its split by part, and with host experts the misses and lookups per step; per K the
-speedup over plain decoding
+a profiler trace and its split by part, and with host experts the misses and lookups per step. A speculating
+engine also times its own plain decode steps, what it runs where drafts do not pay (with MTP drafts they keep
+their pairs for the head, and its catch_up program runs after every 16, as the scheduler runs it; catch_up is
+timed alone too), against the plain engine's. Per K the speedup over plain decoding
   * with every draft kept (tau = K + 1) and at tau = 2.4;
   * on the bundled model's held-out text: its verify and plain steps as benchmarks/speculative.py counted them
-    (--text-counts, that script's JSON), timed at this device's step times.
+    (--text-counts, that script's JSON), timed at this device's step times (its plain steps at the speculating
+    engine's own).
 Routing (--routing): `model`, the random routers' own (near uniform over the experts; random drafts then route
 independently of each other, an upper bound on the misses), or `calibrated`, expert ids drawn from
 benchmarks/routing.py's model of the real model's routing on real text (decode.py's StreamRouting): a verify
@@ -77,7 +80,9 @@ def run_config(name, engine, prompts, k, args, trace_dir):
     batch = len(prompts)
     rows = next(b for b in sched.buckets if b >= batch)
     total = args.warm + args.steps + args.trace_steps
-    reqs = sched.make_requests(prompts, max_new_tokens=total * (k + 1) + 8, temperature=0.0, top_p=1.0, top_k=0,
+    own_plain = args.warm + args.steps if k else 0  # the speculating engine's own plain steps, after its verify steps
+    reqs = sched.make_requests(prompts, max_new_tokens=total * (k + 1) + own_plain + 8, temperature=0.0, top_p=1.0,
+                               top_k=0,
                                min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
     for r in reqs:
         sched.submit(r)
@@ -85,7 +90,7 @@ def run_config(name, engine, prompts, k, args, trace_dir):
         sched.step()
     while sched._in_flight:
         sched._process(sched._in_flight.popleft())
-    longest = max(len(p) for p in prompts) + total * (k + 1) + 8
+    longest = max(len(p) for p in prompts) + total * (k + 1) + own_plain + 8
     span = next(s for s in sched.spans if s >= longest)
     n_draft = np.zeros(runner.setup.max_batch, np.int32)
     n_draft[:batch] = k
@@ -121,12 +126,13 @@ def run_config(name, engine, prompts, k, args, trace_dir):
         jax.block_until_ready(runner.state)
     name_p = "verify" if k else "decode"
     hlo = runner.program_text(name_p, Want(), rows=rows, span=span)
+    own = own_plain_steps(runner, rows, span, args) if k else {}
     for r in reqs:
         sched._free(r)
     runner.free()  # its KV and expert caches: the next configuration needs the memory
     run = {"config": name, "draft_tokens": k, "batch": batch, "rows_per_step": batch * (k + 1), "span": span,
            "plan": engine.plan.summary(), "cache_slots": engine.plan.cache_slots, "step_ms": step_s * 1e3,
-           "steps_timed": len(timed) - 1}
+           "steps_timed": len(timed) - 1, **own}
     if any(lk):
         run.update(misses_per_step=sum(m) / len(m), lookups_per_step=sum(lk) / len(lk),
                    hit_rate=1 - sum(m) / max(1, sum(lk)))
@@ -138,15 +144,50 @@ def run_config(name, engine, prompts, k, args, trace_dir):
     return run
 
 
+def own_plain_steps(runner, rows: int, span: int, args) -> dict:
+    """A speculating engine's own plain decode steps (what it runs where its drafts do not pay), timed as
+    run_config times its verify steps; with MTP drafts the catch_up program runs after every LAG_ROWS of them,
+    as the scheduler runs it, and is timed alone too."""
+    import jax
+
+    from jaxflash.engine.speculative import LAG_ROWS
+
+    lagging = runner.setup.head_lags
+    stamps, in_flight = [], collections.deque()
+    for i in range(args.warm + args.steps):
+        if lagging and i and i % LAG_ROWS == 0:  # the head over the pairs the last LAG_ROWS steps kept
+            runner.catch_up(rows=rows, span=span)
+        in_flight.append(runner.decode(rows=rows, span=span))
+        if len(in_flight) > 1:
+            in_flight.popleft().result()
+        stamps.append(time.perf_counter())
+    while in_flight:
+        in_flight.popleft().result()
+    timed = stamps[args.warm:]
+    out = {"own_plain_step_ms": (timed[-1] - timed[0]) / (len(timed) - 1) * 1e3}
+    if lagging:
+        times = []
+        for _ in range(3):
+            jax.block_until_ready(runner.state)
+            t0 = time.perf_counter()
+            runner.catch_up(rows=rows, span=span)
+            jax.block_until_ready(runner.state)
+            times.append(time.perf_counter() - t0)
+        out["catch_up_ms"] = min(times) * 1e3
+    return out
+
+
 def speedups(plain: dict, run: dict, counts: dict | None) -> dict:
     """Tokens per second of one sequence, relative to plain decoding, from the steps' wall times."""
     k, t_p, t_v = run["draft_tokens"], plain["step_ms"], run["step_ms"]
-    out = {"verify_over_plain": t_v / t_p, "all_kept": (k + 1) * t_p / t_v, f"tau_{TARGET_TAU}": TARGET_TAU * t_p / t_v}
+    t_own = run.get("own_plain_step_ms", t_p)  # this engine's own plain step (where its drafts are held off)
+    out = {"verify_over_plain": t_v / t_p, "all_kept": (k + 1) * t_p / t_v, f"tau_{TARGET_TAU}": TARGET_TAU * t_p / t_v,
+           "own_plain_over_plain": t_own / t_p}
     if counts:  # the bundled model's text: the same tokens in (plain steps) + (verify steps) against plain steps
         c = counts.get((run["proposer"], k))
         if c:
             plain_steps = c["decode_steps"] - c["verify_steps"]
-            out["text"] = counts[None, 0]["decode_steps"] * t_p / (plain_steps * t_p + c["verify_steps"] * t_v)
+            out["text"] = counts[None, 0]["decode_steps"] * t_p / (plain_steps * t_own + c["verify_steps"] * t_v)
             out["text_tokens_per_verify_step"] = 1 + c["drafts_kept"] / max(1, c["verify_steps"])
     return out
 
@@ -163,7 +204,10 @@ def report(run: dict) -> str:
         lines += ["    " + line for line in trace_parts.format_summary(run["trace"]).splitlines()]
     if "speedup" in run:
         sp = run["speedup"]
-        s = (f"    verify / plain step {sp['verify_over_plain']:.2f}x; speedup with every draft kept "
+        catch = f", catch_up {run['catch_up_ms']:.2f} ms" if "catch_up_ms" in run else ""
+        s = (f"    verify / plain step {sp['verify_over_plain']:.2f}x, its own plain step "
+             f"{run['own_plain_step_ms']:.2f} ms ({sp['own_plain_over_plain']:.3f}x){catch}; speedup with every "
+             "draft kept "
              f"{sp['all_kept']:.2f}x, at {TARGET_TAU} tokens/step {sp[f'tau_{TARGET_TAU}']:.2f}x")
         if "text" in sp:
             s += (f", on the bundled model's text ({sp['text_tokens_per_verify_step']:.2f} tokens per verify step) "
@@ -268,7 +312,10 @@ def main(argv=None) -> int:
     def programs(e, k):
         rows = next(b for b in e.scheduler.buckets if b >= args.batch)
         step = [("verify" if k else "decode", Want(), rows, span) for span in e.scheduler.spans]
-        return [("prefill", Want()), ("admit", None), ("release", None), ("decode", Want(), rows, None)] + step
+        own = [("decode", Want(), rows, span) for span in e.scheduler.spans] if k else []  # own_plain_steps
+        lag = [("catch_up", None, rows, span) for span in e.scheduler.spans] if e.scheduler.lagging else []
+        base = [("prefill", Want()), ("admit", None), ("release", None), ("decode", Want(), rows, None)]
+        return base + step + own + lag
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(min(len(engines), args.compile_threads)) as ex:

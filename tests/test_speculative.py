@@ -5,8 +5,10 @@ with QSA past its 8-token budget, PLE), with prompts whose repetitions give draf
 rejected, in batches beside sequences without drafts, with stop tokens and max_new_tokens inside accepted drafts,
 with host-resident experts and a cache that evicts nearly every step, and on the bundled model. MTP drafts: after
 verify steps that keep every number of drafts, the drafts in the state equal the head chained over the whole
-sequence recomputed from position 0 (its KV pages ended where the sequence ended); greedy MTP speculation gives
-plain decoding's tokens on the bundled model (whose trained head gets drafts kept) and with host-resident experts.
+sequence recomputed from position 0 (its KV pages ended where the sequence ended), also after plain steps that left
+the head to catch up on their pairs (catch_up, resume), which the scheduler runs where it must; greedy MTP
+speculation gives plain decoding's tokens on the bundled model (whose trained head gets drafts kept) and with
+host-resident experts.
 Sampled speculation must keep the sampling distribution: a chi-square test over 40,000 seeds of the acceptance rule
 on fixed logits (5 tokens), at a false-alarm rate of 1e-3 (fixed seeds, so the test is deterministic); and since the
 rule shares plain sampling's randomness, a seeded sampled request emits plain sampling's tokens exactly.
@@ -480,19 +482,26 @@ def _assert_drafts_equal(got: list[int], got_logits, want: list[int], want_logit
         assert got[i] == want[i]
 
 
+@pytest.fixture(scope="module")
+def nvfp4_spec_mtp(nvfp4_dir):
+    """The NVFP4 model with every expert on the device, speculating with 3 MTP drafts."""
+    return jaxflash.load(nvfp4_dir, expert_residency="device", speculative="mtp", draft_tokens=3, **SMALL)
+
+
 @NVFP4
-def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_plain, nvfp4_mtp):
+def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_spec_mtp, nvfp4_plain, nvfp4_mtp):
     """MTP drafts, K = 3: two sequences in one batch, fed plain decoding's own next tokens as drafts with one
     wrong token placed so that the steps keep every number of drafts (0 to K, and none fed). After the prefill
     and after every verify step the drafts the state holds for the next step equal the head chained over the
     sequence recomputed from position 0 (_chained_head), so the head's KV pages hold exactly the kept pairs (the
-    verify steps' draft logits too); the steps emit plain decoding's tokens. Plain decode steps propose no drafts
-    (their head runs for its KV alone): after two of them, a verify step feeding none drafts the same chain.
+    verify steps' draft logits too); the steps emit plain decoding's tokens. Plain decode steps neither draft nor
+    run the head: they keep their pairs (speculative.HeadLag), as many as it holds, across a wrap of its rows.
+    The catch_up program runs the head over them; after three more plain steps the resume program runs it over
+    those and drafts the same chain, which the next verify step feeds.
     The whole-sequence forward is conftest.py's engine of the same checkpoint (same weights), whose programs
     for it test_engine.py compiles too."""
-    k = 3
-    spec = jaxflash.load(nvfp4_dir, expert_residency="device", speculative="mtp", draft_tokens=k, **SMALL)
-    assert spec.mtp and spec.speculative == "mtp"
+    k, spec = 3, nvfp4_spec_mtp
+    assert spec.mtp and spec.speculative == "mtp" and spec.scheduler.runner.setup.draft_tokens == k
     cfg = spec.config
     rng = np.random.default_rng(31)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (11, 19)]  # one and two chunks
@@ -520,22 +529,84 @@ def test_mtp_drafts_equal_the_head_chained_over_the_sequence(nvfp4_dir, nvfp4_pl
             assert kept == want_kept
             seen.update(kept)
             check_drafts(o.draft_logits)
-        for _ in range(2):  # plain steps: no drafts, no draft logits, the head's KV written
+        head_at = [int(runner.state.mtp_lag.length[r.slot]) for r in reqs]
+        assert head_at == [len(p) + len(e) - 1 for p, e in zip(prompts, emitted)]  # every pair but the last token's
+        n0 = len(emitted[0])
+        for _ in range(speculative.LAG_ROWS + 3):  # plain steps: no drafts, no draft logits, their pairs kept
             o = runner.decode(Want(logits=True)).result()
             assert o.drafts is None and o.draft_logits is None and o.proposed is None
             assert not np.asarray(runner.state.spec.n_draft).any()
             for b, r in enumerate(reqs):
                 emitted[b].append(int(o.tokens[r.slot]))
+            if len(emitted[0]) == n0 + speculative.LAG_ROWS:
+                assert [int(runner.state.mtp_lag.length[r.slot]) for r in reqs] == head_at
+                runner.catch_up()  # the head over every kept pair: no drafts
+                assert not np.asarray(runner.state.spec.n_draft).any()
+        runner.catch_up(draft=True)  # resume: the head over the last three pairs, then the drafts
+        check_drafts()
         o = runner.verify(np.full(runner.setup.max_batch, k, np.int32), Want(logits=True)).result()
         for b, r in enumerate(reqs):
-            assert int(o.n_draft[r.slot]) == 0 and int(o.accepted[r.slot]) == 0
-            emitted[b].append(int(o.tokens[r.slot, 0]))
+            assert int(o.n_draft[r.slot]) == k
+            emitted[b] += [int(t) for t in o.tokens[r.slot, : int(o.accepted[r.slot]) + 1]]
         check_drafts(o.draft_logits)
     finally:
         for r in reqs:
             sched._free(r)
     assert seen == set(range(k + 1))
     assert all(e == t[: len(e)] for e, t in zip(emitted, ref))
+
+
+class PlainFirst(FlatCosts):
+    """Verify steps cost too much for the first `plain` decode steps (so every request decodes plainly), then
+    every step costs the same."""
+
+    def __init__(self, plain: int):
+        super().__init__()
+        self.plain = plain
+
+    def of(self, rows, fed):
+        return 1.0 if fed == 0 or self.steps >= self.plain else 1e9
+
+
+@NVFP4
+def test_mtp_plain_steps_keep_pairs_until_the_head_catches_up(nvfp4_spec_mtp, nvfp4_mtp):
+    """An MTP engine's scheduler runs the head over the pairs plain steps kept after LAG_ROWS plain steps in a
+    row (catch_up) and before a verify step that follows plain steps (resume, which also drafts), never later:
+    three requests decode plainly for 40 steps (two full lags), then speculate. Their tokens are plain
+    decoding's (an engine whose head runs in every step; test_mtp_drafts_equal... checks the head's KV and drafts
+    after both programs)."""
+    spec = nvfp4_spec_mtp
+    sched, runner = spec.scheduler, spec.scheduler.runner
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(0, spec.config.vocab_size, n)] for n in (9, 14, 21)]
+    kw = dict(max_new_tokens=48, ignore_eos=True)
+    calls = []
+
+    def logged(name):
+        method = getattr(runner, name)
+        return lambda *a, **k: (calls.append("resume" if k.get("draft") else name), method(*a, **k))[1]
+
+    sched.costs, sched.stats = PlainFirst(40), Stats()
+    for name in ("decode", "verify", "catch_up"):
+        setattr(runner, name, logged(name))
+    try:
+        got = spec.generate(prompts, **kw)
+    finally:
+        for name in ("decode", "verify", "catch_up"):
+            delattr(runner, name)
+    assert got == nvfp4_mtp.generate(prompts, **kw)
+    plain = 0  # plain steps since the head last ran over every pair
+    for name in calls:
+        plain = plain + 1 if name == "decode" else 0
+        assert plain <= speculative.LAG_ROWS
+    for before, name, after in zip(["verify"] + calls, calls, calls[1:] + ["end"]):
+        if name == "verify":  # resume runs exactly where a verify step follows a plain one
+            assert before in ("verify", "resume")
+        if name in ("resume", "catch_up"):
+            assert before == "decode" and after == ("verify" if name == "resume" else "decode")
+    first_verify = calls.index("verify")
+    assert calls[:first_verify].count("catch_up") == 2 and calls[first_verify - 1] == "resume"
+    assert sched.stats.catch_ups == calls.count("catch_up") + calls.count("resume") and sched.stats.verify_steps > 0
 
 
 def _caps(spec: Spec, kept_of, steps: int) -> list[int]:

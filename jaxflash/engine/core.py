@@ -92,7 +92,7 @@ class Engine:
         self.speculative = speculative if self.draft_tokens else None
         if params.mtp is None:
             _no_mtp_head(mtp_drafts, speculative, "no MTP head is loaded (the checkpoint has none, or mtp=False)")
-        self.mtp = mtp_drafts or self.speculative == "mtp"  # the head's layer runs in every step (its KV)
+        self.mtp = mtp_drafts or self.speculative == "mtp"  # the head's layer runs over every pair (its KV)
         self.mtp_drafts = mtp_drafts  # and its guess in every decode step (the acceptance statistics)
         self._scheduler: Scheduler | None = None
         self._hidden = jax.jit(lambda p, t, rows: transformer.forward_hidden(p, config, t, ple_rows=rows))
@@ -326,8 +326,8 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     leaves it on disk and its VRAM to the expert cache (2.6 GiB at full size). mtp_drafts: also run the head in
     every decode step, keeping its KV cache current and drafting the token after next
     (`engine.scheduler.stats.mtp_acceptance` then reports how often the draft was right). Off by default: it
-    costs a decoder layer and a second lm_head read per step, and speculative="mtp" needs only the layer in
-    plain steps (it drafts in verify steps).
+    costs a decoder layer and a second lm_head read per step, and speculative="mtp" does not need it (its
+    plain steps keep their pairs, and the head catches up on them before it drafts in a verify step).
     routing: fixed expert ids for generation instead of the routers' choice (a runner.RoutingSource; for
     routing studies and benchmarks).
     expert_kernel: decode steps compute NVFP4 routed experts with the Pallas expert kernels (default: on a GPU;
@@ -348,11 +348,11 @@ def load(path: str | os.PathLike | None = None, dtype: str = "float32", *, ple_t
     speculative: decode speculatively with up to draft_tokens (1 to 3) drafts per sequence and step, checked in
     one verify step; the output is what plain decoding gives, token for token (greedy, or sampled with the same
     seed). "ngram" proposes them from the sequence's own earlier tokens, "mtp" by the MTP head chained
-    draft_tokens times in each verify step (jaxflash.engine.speculative; a plain decode step runs only the
-    head's layer, to keep its KV cache current). The drafts fed per step adapt to their acceptance and the
-    measured step times (scheduler.Spec), down to plain steps. None (the default) decodes one token per
-    step: with host experts speculation loses on the H200; with every expert on the device, "mtp" with
-    draft_tokens=1 measured best (benchmarks/RESULTS.md).
+    draft_tokens times in each verify step (jaxflash.engine.speculative; a plain decode step does not run the
+    head: it keeps its pair, and the head catches up on the kept pairs in one chunk before it next drafts). The
+    drafts fed per step adapt to their acceptance and the measured step times (scheduler.Spec), down to plain
+    steps. None (the default) decodes one token per step: with host experts speculation loses on the H200; with
+    every expert on the device, "mtp" with draft_tokens=1 measured best (benchmarks/RESULTS.md).
     ple_table: "device" puts the n-gram table in device memory for full-sequence logits; "host" leaves it
     memory-mapped on the host and gathers the rows each call needs; "auto" picks "device" up to 1 GiB.
     Weights go to the device layer by layer, so host memory holds at most one layer at a time.

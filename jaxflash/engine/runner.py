@@ -36,7 +36,7 @@ from ..config import ModelConfig
 from ..kernels import nvfp4_experts
 from ..model import mtp as mtp_mod
 from ..model.attention import PagedKV
-from ..model.base import Array, TokenBatch, pytree_dataclass, top_k, up
+from ..model.base import Array, TokenBatch, acc_dtype, pytree_dataclass, top_k, up
 from ..model.gated_deltanet import GDNState
 from ..model.moe import ResidentExperts
 from ..model.transformer import LayerState, Params, commit_layers, final_logits, forward_layers, init_layer_state
@@ -70,6 +70,7 @@ class DecodeState:
     active: Array  # [B] bool: decoding
     last_token: Array  # [B] int32: the token the next decode step feeds
     spec: SpecState | None = None  # speculative decoding: each slot's tokens and its next drafts
+    mtp_lag: spec_mod.HeadLag | None = None  # Setup.head_lags: the pairs plain steps kept for the MTP head
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +88,8 @@ class Setup:
     table: Any = None  # ffi.NgramTable (PLE models)
     hash: Any = None  # ffi.NgramHash
     table_scale: float | None = None  # the FP8 table's global scale
-    mtp: bool = False  # run the MTP head's layer in every step, so that its KV cache holds every kept pair
+    mtp: bool = False  # run the MTP head's layer over every kept pair (its KV cache), in every step unless
+    # head_lags
     routing: Any = None  # a RoutingSource: fixed expert ids for every step instead of the routers' top-k
     expert_kernel: bool | str | None = None  # decode's resident experts by the NVFP4 kernels (None: where they
     # apply; "pallas" / "cuda": that route; host residency: host.kernel and host.route say the same for the slots)
@@ -100,13 +102,21 @@ class Setup:
     speculative: str | None = None  # their proposer: "ngram" or "mtp" (the MTP head chained; needs mtp)
     decode_drafts: bool = False  # plain decode steps also draft the token after next with the head (its logits,
     # for the acceptance statistics; needs mtp). Speculation does not need them: verify steps draft for the
-    # next one, and a decode step of an MTP engine keeps the head's KV alone (see decode_step)
+    # next one, and a decode step of an MTP engine keeps its pair for the head (head_lags)
     attention_kernel: bool = False  # decode and verify steps attend in jaxflash.kernels.attention_decode (the
     # Engine turns it on on a GPU; elsewhere it runs in interpret mode, for tests)
 
     def __post_init__(self):
         if (self.speculative == "mtp" or self.decode_drafts) and not self.mtp:
-            raise ValueError("MTP drafts need the MTP head run in every step (Setup.mtp)")
+            raise ValueError("MTP drafts need the MTP head (Setup.mtp)")
+
+    @property
+    def head_lags(self) -> bool:
+        """Plain decode steps keep their pairs for the MTP head (speculative.HeadLag) instead of running it: an
+        MTP engine whose plain steps do not draft. The `catch_up` program runs the head over them; a verify step
+        needs the head's KV whole, so the scheduler runs it (as `resume`, which also drafts) before each verify step
+        that follows a plain one."""
+        return self.speculative == "mtp" and not self.decode_drafts
 
     @property
     def max_seq_len(self) -> int:
@@ -148,12 +158,14 @@ def init_state(params: Params, setup: Setup) -> DecodeState:
     mtp = None
     if setup.mtp:
         mtp = init_layer_state(params.mtp.layer, cfg, b, setup.dtype, setup.num_pages, setup.page_size)
-    spec = None
+    spec = lag = None
     if setup.draft_tokens:
         width = spec_mod.history_width(setup.max_seq_len, setup.chunk, setup.draft_tokens)
         spec = SpecState.empty(b, width if setup.speculative == "ngram" else 0, setup.draft_tokens)
+    if setup.head_lags:
+        lag = spec_mod.HeadLag.empty(b, cfg.hc_count * cfg.hidden_size, acc_dtype(setup.dtype))
     return DecodeState(seqs, layers, experts, mtp, SamplingRows.init(b), jnp.zeros(b, bool),
-                       jnp.zeros(b, jnp.int32), spec)
+                       jnp.zeros(b, jnp.int32), spec, lag)
 
 
 # ----- outputs ----------------------------------------------------------------------------------------------
@@ -287,8 +299,10 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
         tokens = sample(logits if masks is None else apply_mask(logits, masks), st.sampling, lengths,
                         filters=want.filters)
     drafts = draft_logits = None
-    mtp = st.mtp
-    if setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, so that a later step's drafts read
+    mtp, lag = st.mtp, st.mtp_lag
+    if setup.head_lags:  # the pair (state at t, token t+1) kept; the head runs over it before drafts are next made
+        lag = spec_mod.keep_pairs(lag, h[:, 0], tokens, st.seqs.lengths, st.active)
+    elif setup.mtp:  # the MTP head on (state at t, token t+1): its KV at t, so that a later step's drafts read
         # every pair; with decode_drafts, also its guess of token t+2
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens[:, None], batch, st.mtp)
         if setup.decode_drafts:
@@ -297,8 +311,8 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     spec, proposed = st.spec, None
     if setup.speculative == "mtp":  # no drafts from a plain step: a sequence steps plainly when drafts do not pay
         # for it, and the head's logits (a pass over the vocabulary's weights) and chain cost the most of the
-        # head. A verify step feeding none then drafts for the next (the head's KV is current); proposed stays
-        # None, so the scheduler keeps what it last read.
+        # head. The resume program drafts for the verify step that follows (catch_up); proposed stays None, so
+        # the scheduler keeps what it last read.
         spec = dataclasses.replace(spec, n_draft=jnp.zeros_like(spec.n_draft))
     elif spec is not None:  # the new token into each row's history, and the next verify step's drafts
         spec = spec_mod.advance(spec, lengths, tokens[:, None], lengths, _capacity(setup, st.seqs.page_table),
@@ -307,7 +321,7 @@ def decode_step(params: Params, setup: Setup, want: Want, st: DecodeState, masks
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, mtp=mtp,
-        last_token=jnp.where(st.active, tokens, st.last_token), spec=spec)
+        last_token=jnp.where(st.active, tokens, st.last_token), spec=spec, mtp_lag=lag)
     cache_status, misses, lookups = _cache_counts(st.experts)
     out = StepOutput(tokens=tokens, drafts=drafts, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
                      logits=logits if want.logits else None,
@@ -325,7 +339,8 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     after the accepted tokens alone (transformer.commit_layers), the lengths, PLE context and history advance
     by accepted + 1, and the next drafts are proposed. KV rows written for rejected drafts (the MTP head's too)
     lie past the sequence's length, where nothing reads them before they are overwritten. Slots not decoding
-    change nothing. expert_ids [L, B*(K+1), k], span: as in decode_step."""
+    change nothing. expert_ids [L, B*(K+1), k], span: as in decode_step. With Setup.head_lags, the MTP head's
+    KV must hold every pair before the step (catch_up)."""
     cfg, k = setup.cfg, setup.draft_tokens
     sp = st.spec
     n_draft = jnp.where(st.active, jnp.clip(jnp.minimum(sp.n_draft, caps), 0, k), 0)
@@ -346,7 +361,9 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     keep = jnp.where(st.active, accepted + 1, 0)
     layers = commit_layers(cfg, pending, keep)
     lengths = st.seqs.lengths + keep
-    mtp, spec = st.mtp, sp
+    mtp, spec, lag = st.mtp, sp, st.mtp_lag
+    if lag is not None:
+        lag = spec_mod.caught_up(lag, lengths, st.active)
     if setup.mtp:  # the head on every fed row's pair (state at t, the token sampled after it: the next draft
         # where that was kept); its guess from the last kept pair is the next first draft
         hm, mtp, _ = mtp_mod.mtp_layer(params, cfg, h, tokens, batch, st.mtp)
@@ -370,7 +387,7 @@ def verify_step(params: Params, setup: Setup, want: Want, st: DecodeState, caps:
     st = dataclasses.replace(
         st, seqs=SeqState(lengths, st.seqs.page_table, context), layers=layers,
         experts=experts if setup.host is not None else None, mtp=mtp,
-        last_token=jnp.where(st.active, last, st.last_token), spec=spec)
+        last_token=jnp.where(st.active, last, st.last_token), spec=spec, mtp_lag=lag)
     cache_status, misses, lookups = _cache_counts(st.experts)
     out = StepOutput(tokens=tokens, drafts=None, logprobs=logprobs_of(logits, tokens) if want.logprobs else None,
                      logits=logits if want.logits else None, draft_logits=draft_logits, prompt_logprobs=None,
@@ -488,8 +505,11 @@ def prefill_chunk(params: Params, setup: Setup, want: Want, st: DecodeState, slo
         row = spec_mod.propose_rows(SpecState(hist[None], row.drafts, row.n_draft), seq.lengths + n,
                                     _capacity(setup, seq.page_table), last[None])
         spec = _set_row(spec, slot, row)
+    lag = st.mtp_lag
+    if lag is not None:  # the chunk ran the head over its pairs
+        lag = dataclasses.replace(lag, length=lag.length.at[slot].set(seq.lengths[0] + n))
     st = dataclasses.replace(
-        st, seqs=seqs, layers=layers, experts=experts, mtp=mtp,
+        st, seqs=seqs, layers=layers, experts=experts, mtp=mtp, mtp_lag=lag,
         active=st.active.at[slot].set(last | st.active[slot]),
         last_token=st.last_token.at[slot].set(jnp.where(last, token, st.last_token[slot])), spec=spec)
     out = StepOutput(tokens=token, drafts=drafts, logprobs=logprobs_of(logits, token) if want.logprobs else None,
@@ -512,10 +532,35 @@ def admit(setup: Setup, st: DecodeState, slot: Array, pages: Array, sampling: Sa
         ctx = ctx.at[slot].set(setup.cfg.eos_token_id)
     seqs = SeqState(st.seqs.lengths.at[slot].set(0), st.seqs.page_table.at[slot].set(pages.astype(jnp.int32)),
                     ctx)
+    lag = st.mtp_lag
+    if lag is not None:  # its kept pairs (those of the slot's last sequence) count as none
+        lag = dataclasses.replace(lag, length=lag.length.at[slot].set(0))
     return dataclasses.replace(st, seqs=seqs, layers=layers,
                                sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), st.sampling, sampling),
                                active=st.active.at[slot].set(False), last_token=st.last_token.at[slot].set(0),
-                               spec=None if st.spec is None else fresh(st.spec))
+                               spec=None if st.spec is None else fresh(st.spec), mtp_lag=lag)
+
+
+def catch_up(params: Params, setup: Setup, st: DecodeState, rows: int, span: int | None = None,
+             draft: bool = False) -> DecodeState:
+    """Setup.head_lags: the MTP head over the pairs that plain decode steps kept for slots [0, rows) (each active
+    slot's, up to its length; speculative.catch_up), so that its KV pages hold every pair. With `draft` (the
+    `resume` program, before a verify step), a slot that had kept pairs then gets its drafts: the head's guess
+    from its last pair, chained (speculative.draft_after_lag), as a verify step would have proposed them; the other
+    slots keep theirs (proposed by their prefill's last chunk or a verify step). span: as in decode_step (every
+    kept pair, and the chained drafts, lie below it)."""
+    cfg, table = setup.cfg, _span_table(setup, st.seqs.page_table[:rows], span)
+    lengths, active = st.seqs.lengths[:rows], st.active[:rows]
+    kept = active & (lengths > st.mtp_lag.length[:rows])  # slots with pairs to run
+    lag, mtp = spec_mod.catch_up(params, cfg, st.mtp_lag, lengths, active, table, st.mtp)
+    spec = st.spec
+    if draft:
+        new, mtp = spec_mod.draft_after_lag(params, cfg, lag, lengths, kept, _capacity(setup, table), table, mtp,
+                                            setup.draft_tokens)
+        drafts = spec.drafts.at[:rows].set(jnp.where(kept[:, None], new.drafts, spec.drafts[:rows]))
+        n_draft = spec.n_draft.at[:rows].set(jnp.where(kept, new.n_draft, spec.n_draft[:rows]))
+        spec = dataclasses.replace(spec, drafts=drafts, n_draft=n_draft)
+    return dataclasses.replace(st, mtp=mtp, mtp_lag=lag, spec=spec)
 
 
 def release(st: DecodeState, slot: Array) -> DecodeState:
@@ -596,11 +641,12 @@ class Runner:
 
     # ----- programs ---------------------------------------------------------------------------------------
     def _key(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None) -> tuple:
-        """Programs are named by (name, Want, rows, span): admit and release have no Want; the model's programs
-        default to Want(); a decode step runs the first `rows` slots (a batch-size bucket, default all) and
-        attends to the first `span` positions (a context bucket, a multiple of the page size; None: all); a
-        prefill chunk holds `rows` tokens (default, and None: the setup's chunk; fewer for short prompts)."""
-        if name not in ("admit", "release", "decode", "prefill", "verify"):
+        """Programs are named by (name, Want, rows, span): admit, release, catch_up and resume have no Want; the
+        model's programs default to Want(); a decode step (verify, catch_up, resume) runs the first `rows` slots
+        (a batch-size bucket, default all) and attends to the first `span` positions (a context bucket, a multiple
+        of the page size; None: all); a prefill chunk holds `rows` tokens (default, and None: the setup's chunk;
+        fewer for short prompts)."""
+        if name not in ("admit", "release", "decode", "prefill", "verify", "catch_up", "resume"):
             raise ValueError(f"no program {name!r}")
         if name in ("admit", "release"):
             return name, None, None, None
@@ -614,12 +660,14 @@ class Runner:
             raise ValueError(f"a decode bucket of {rows} rows; this runner has {s.max_batch} slots")
         if name == "verify" and not s.draft_tokens:
             raise ValueError("no verify program: this runner does not speculate (draft_tokens=0)")
+        if name in ("catch_up", "resume") and not s.head_lags:
+            raise ValueError(f"no {name} program: this runner's plain steps keep no pairs for an MTP head")
         if span == s.max_pages * s.page_size:
             span = None
         if span is not None and not (0 < span < s.max_pages * s.page_size and span % s.page_size == 0):
             raise ValueError(f"a decode span of {span} positions; it must be a multiple of the page size "
                              f"{s.page_size} below the context ({s.max_pages * s.page_size})")
-        return name, want or Want(), rows, span
+        return name, None if name in ("catch_up", "resume") else want or Want(), rows, span
 
     def _program(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None):
         """The compiled program, built on first use (see `compile`)."""
@@ -692,6 +740,8 @@ class Runner:
                 st, out = release(st, *args), None
             elif name == "prefill":
                 st, out = prefill_chunk(params, setup, want, st, *args)
+            elif name in ("catch_up", "resume"):
+                st, out = catch_up(params, setup, st, rows, span, draft=name == "resume"), None
             else:  # a decode or verify bucket: slots [0, rows) only, positions [0, span)
                 step = decode_step if name == "decode" else verify_step
                 cut = _first_rows(st, rows)
@@ -720,6 +770,8 @@ class Runner:
             return scalar, jax.ShapeDtypeStruct((s.max_pages,), i32), rows
         if name == "release":
             return (scalar,)
+        if name in ("catch_up", "resume"):
+            return ()
         if name == "prefill":
             width = rows or s.chunk
             chunk = jax.ShapeDtypeStruct((width,), i32)
@@ -792,10 +844,28 @@ class Runner:
         out = self._call("verify", want, jnp.asarray(caps, jnp.int32), ids, rows=rows, span=span)
         return Pending(out, self)
 
+    def catch_up(self, rows: int | None = None, span: int | None = None, draft: bool = False) -> None:
+        """Dispatch the catch_up program (with `draft`, resume) for slots [0, rows) attending to positions
+        [0, span) (defaults as in decode): the MTP head over the pairs plain steps kept (Setup.head_lags), and
+        with `draft` the drafts of the slots that kept any; see catch_up."""
+        self._call("resume" if draft else "catch_up", None, rows=rows or self.setup.max_batch, span=span)
+
     def program_text(self, name: str, want: Want | None = None, rows: int | None = None,
                      span: int | None = None) -> str:
         """The optimized HLO of a compiled program (what benchmarks/trace_parts.py reads)."""
         return self._program(name, want, rows, span).as_text()
+
+    def program_cost(self, name: str, want: Want | None = None, rows: int | None = None,
+                     span: int | None = None) -> dict | None:
+        """XLA's cost analysis of a compiled program, {"flops": ..., "bytes": ...} (the bytes it counts its
+        operations accessing), None where the backend gives none: what benchmarks compare programs by where
+        wall-clock times are too noisy to."""
+        try:
+            c = self._program(name, want, rows, span).cost_analysis()
+        except Exception:  # noqa: BLE001 -- backends without a cost analysis
+            return None
+        c = c[0] if isinstance(c, list) else c
+        return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))} if c else None
 
     def temp_bytes(self, name: str, want: Want | None = None, rows: int | None = None,
                    span: int | None = None) -> int | None:

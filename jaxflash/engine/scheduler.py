@@ -23,8 +23,10 @@ ends the request there. Each request's draft cap adapts to how often each draft 
 the steps cost (`Spec`, `StepCosts`): it feeds the number of drafts that gives the most tokens per second of
 step time as measured on this device, so where verify steps cost more than their kept drafts save (host
 experts: each row brings its own misses) it drops to 0; a step in which every request is at 0 runs the plain
-decode program. With MTP drafts that program runs only the head's layer (its KV), not its drafts, so the
-verify step that resumes speculation feeds none and drafts for the one after it.
+decode program. With MTP drafts that program does not run the head: it keeps its pairs on the device for it
+(speculative.HeadLag). After LAG_ROWS plain steps in a row the catch_up program runs the head over them in one
+chunk; before a verify step that follows plain steps the resume program does, and then drafts from the last of
+them, so that the verify step that resumes speculation feeds drafts.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 
 from .runner import Pending, Runner, StepOutput, Want
 from .sampling import SamplingParams
+from .speculative import LAG_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class Request:
     decoded: int = 0  # positions its dispatched steps may have fed: the next one writes from len(prompt) + decoded
     spec: Spec | None = None  # speculative decoding: its draft cap
     proposed: int = 0  # speculative decoding: drafts the device proposed after its latest token read (an MTP
-    # engine's plain steps propose nothing and leave it: a verify step then feeds none and proposes)
+    # engine's plain steps propose nothing and leave it: the resume program proposes before the next verify step)
 
 
 @dataclass
@@ -219,6 +222,7 @@ class Stats:
     mtp_drafts: int = 0  # MTP greedy drafts compared with the token then sampled
     mtp_accepted: int = 0
     verify_steps: int = 0  # speculative decoding: verify steps (also counted in decode_steps)
+    catch_ups: int = 0  # MTP drafts: catch_up and resume programs run (the head over the pairs plain steps kept)
     drafts_fed: int = 0  # drafts fed to verify steps, summed over their sequences
     drafts_accepted: int = 0
 
@@ -265,6 +269,9 @@ class Scheduler:
         self.k = runner.setup.draft_tokens  # speculative decoding: drafts per verify step (0: off)
         # MTP drafts: the head's chained drafts write K - 1 positions past the sequence's new last token
         self.chain = self.k - 1 if runner.setup.speculative == "mtp" else 0
+        # and their plain steps keep pairs for the head: plain steps since it last ran over every slot's
+        self.lagging = runner.setup.head_lags
+        self.lag = 0
         self.mask_words = -(-vocab_size // 32)
         self._all_allowed = np.full(self.mask_words, -1, np.int32)
         self.stats = Stats()
@@ -297,14 +304,16 @@ class Scheduler:
         """The programs plain generation of one request runs, or (serving) all that step() and its helpers may
         run: every decode bucket (batch size x context), plain and rich."""
         base = [("admit", None), ("release", None)] + [("prefill", Want(), b) for b in self.prefill_buckets]
+        extra = (("verify",) if self.k else ()) + (("catch_up", "resume") if self.lagging else ())
         if not serving:
-            return base + [(name, PLAIN, 1, span) for span in self.spans
-                           for name in ("decode",) + (("verify",) if self.k else ())]
+            return base + [(name, PLAIN, 1, span) for span in self.spans for name in ("decode",) + extra]
         verify = [("verify", want, rows, span) for rows in self.buckets for want in (PLAIN, VERIFY_RICH)
                   for span in self.spans] if self.k else []
+        catch_up = [(name, None, rows, span) for rows in self.buckets for span in self.spans
+                    for name in ("catch_up", "resume") if self.lagging]
         return base + [("prefill", Want(logprobs=True)), ("prefill", Want(score=True))] + [
             ("decode", want, rows, span) for rows in self.buckets for want in (PLAIN, RICH)
-            for span in self.spans] + verify
+            for span in self.spans] + verify + catch_up
 
     def warm_up(self, serving: bool = True) -> dict[str, float]:
         """Compile the programs serving (or plain generation) uses, side by side, and allocate the state (KV
@@ -497,7 +506,14 @@ class Scheduler:
         fed = self.k + 1 if caps.any() else 1  # positions this step may feed per sequence
         need = min(max(len(r.prompt) + r.decoded + fed + self.chain for r in self.running), self.max_seq_len)
         span = next(s for s in self.spans if s >= need)
+        # the MTP head over the pairs plain steps kept: when they fill, or before a verify step (which needs its
+        # KV whole, and drafts from the last pair: resume)
+        catch_up = self.lagging and self.lag >= (1 if fed > 1 else LAG_ROWS)
         try:
+            if catch_up:
+                self.runner.catch_up(rows=rows, span=span, draft=fed > 1)
+                self.lag = 0
+                self.stats.catch_ups += 1
             if fed > 1:  # no request in the batch has a grammar (caps above), so `rich` is logprobs or filters
                 want = VERIFY_RICH if rich else PLAIN
                 pending = self.runner.verify(caps, want, rows=rows, span=span)
@@ -514,7 +530,8 @@ class Scheduler:
             return False
         for r in self.running:
             r.decoded += fed  # corrected by what the step kept, once it is read
-        back_to_back = timed and bool(self._in_flight) and self._in_flight[-1].first_of is None
+        self.lag += self.lagging and fed == 1
+        back_to_back = timed and not catch_up and bool(self._in_flight) and self._in_flight[-1].first_of is None
         self._in_flight.append(_Flight(pending, tuple(self._owner[:rows]), fed=fed,
                                        cost_key=(rows, int(caps.max())) if back_to_back else None))
         return True
@@ -616,6 +633,7 @@ class Scheduler:
             r.error = r.error or "the engine state was lost by a failed step"
             events.append(self._end(r, "error"))
         self._in_flight.clear()
+        self.lag = 0
         self.runner.reset()
         self._reset_slots()
         return events

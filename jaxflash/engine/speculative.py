@@ -13,10 +13,15 @@ finds none and gets zero drafts, which makes its row a plain decode row.
 
 MTP (mtp_chain): the step runs the head on every kept pair (the main model's state at t, the token at t+1), so its
 KV pages end where the sequence ends; its guess from the last kept pair is the first draft, and each further
-draft runs the head once more on (its previous output state, its previous draft), one position on.
+draft runs the head once more on (its previous output state, its previous draft), one position on. A plain decode
+step does not run the head: it keeps its pair (HeadLag), and catch_up runs the head over the kept pairs of every
+slot at once, so that an engine whose drafts do not pay runs plain steps at a plain engine's cost: when LAG_ROWS
+are kept, and before a verify step, whose drafts the head then chains from the last kept pair (runner.catch_up).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,7 @@ from ..model import mtp as mtp_mod
 from ..model.base import Array, TokenBatch, pytree_dataclass
 from ..model.transformer import LayerState, Params
 
+LAG_ROWS = 16  # the pairs a slot's HeadLag keeps: the most plain steps between two catch-ups, the rows of each
 NGRAM_MAX = 3  # the longest suffix looked up
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a verify row)
 
@@ -44,6 +50,70 @@ class SpecState:
     def empty(batch: int, width: int, k: int) -> SpecState:
         return SpecState(jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, k), jnp.int32),
                          jnp.zeros(batch, jnp.int32))
+
+
+@pytree_dataclass
+class HeadLag:
+    """The pairs an MTP engine's plain decode steps kept for its head instead of running it (leading axis = batch
+    slot): the pair of position t (the main model's state at t, the token sampled after it) at row t % LAG_ROWS.
+    The head's KV pages hold the pairs of positions below `length`; catch_up runs it over the rest."""
+
+    hidden: Array  # [B, R, W]: the main model's pre-mixer state (the dtype of the step's residual)
+    tokens: Array  # [B, R] int32
+    length: Array  # [B] int32
+
+    @staticmethod
+    def empty(batch: int, width: int, dtype) -> HeadLag:
+        return HeadLag(jnp.zeros((batch, LAG_ROWS, width), dtype), jnp.zeros((batch, LAG_ROWS), jnp.int32),
+                       jnp.zeros(batch, jnp.int32))
+
+
+def keep_pairs(lag: HeadLag, hidden: Array, tokens: Array, positions: Array, live: Array) -> HeadLag:
+    """A plain step's pairs into slots [0, b) of lag: hidden [b, W] and tokens [b] at positions [b]; slots not
+    live keep theirs. The caller makes sure that no slot keeps more than LAG_ROWS pairs (Scheduler)."""
+    b, r = hidden.shape[0], lag.tokens.shape[1]
+    slots, cols = jnp.arange(b), jnp.where(live, positions % r, r)  # column r: dropped
+    return HeadLag(lag.hidden.at[slots, cols].set(hidden.astype(lag.hidden.dtype), mode="drop"),
+                   lag.tokens.at[slots, cols].set(tokens.astype(jnp.int32), mode="drop"), lag.length)
+
+
+def caught_up(lag: HeadLag, lengths: Array, live: Array) -> HeadLag:
+    """lag after a step that ran the head over every pair of slots [0, b) up to lengths [b] (where live)."""
+    b = lengths.shape[0]
+    return dataclasses.replace(lag, length=lag.length.at[:b].set(jnp.where(live, lengths, lag.length[:b])))
+
+
+def catch_up(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Array, live: Array, page_table: Array,
+             state: LayerState) -> tuple[HeadLag, LayerState]:
+    """The head over the kept pairs of slots [0, b) (lengths [b]: where each sequence ends; page_table [b, P]),
+    as one chunk of LAG_ROWS rows per slot: each live slot's pairs from lag.length to its length, in order
+    (rows past them are padding, which writes nothing). Returns (the lag with nothing kept, the head's state).
+    Only the head's KV pages are kept, so XLA computes the layer's K and V rows alone, not its MoE."""
+    b, r = lengths.shape[0], lag.tokens.shape[1]
+    start = lag.length[:b]
+    n = jnp.where(live, lengths - start, 0)
+    cols = (start[:, None] + jnp.arange(r)) % r  # the pair of position start + i sits at column (start + i) % r
+    hidden = jnp.take_along_axis(lag.hidden[:b], cols[:, :, None], axis=1)
+    tokens = jnp.take_along_axis(lag.tokens[:b], cols, axis=1)
+    _, state, _ = mtp_mod.mtp_layer(params, cfg, hidden, tokens, TokenBatch.after(start, n, r, page_table), state)
+    return caught_up(lag, lengths, live), state
+
+
+def draft_after_lag(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Array, live: Array, limit: Array,
+                    page_table: Array, state: LayerState, k: int) -> tuple[SpecState, LayerState]:
+    """After catch_up, the drafts of slots [0, b) that had kept pairs (live [b]): the head run once more on each
+    one's last pair, the one at position lengths - 1, whose output gives the first draft, then mtp_chain (limit,
+    page_table, k as there). That pair's KV row is written again, with the same values: running the layer on it
+    alone costs one row of its MoE, where catch_up's output at every row of its chunk would cost all of them."""
+    b, r = lengths.shape[0], lag.tokens.shape[1]
+    slots, col = jnp.arange(b), (lengths - 1) % r
+    batch = TokenBatch.after(lengths - 1, live.astype(jnp.int32), 1, page_table)
+    h, state, _ = mtp_mod.mtp_layer(params, cfg, lag.hidden[slots, col][:, None], lag.tokens[slots, col][:, None],
+                                    batch, state)
+    hm = h[:, 0]
+    spec, state, _ = mtp_chain(params, cfg, hm, greedy(mtp_mod.mtp_logits(params, cfg, hm)), lengths, limit,
+                               page_table, state, k, live)
+    return spec, state
 
 
 def history_width(max_seq_len: int, chunk: int, k: int) -> int:
