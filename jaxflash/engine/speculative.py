@@ -103,8 +103,9 @@ def draft_after_lag(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Arr
                     page_table: Array, state: LayerState, k: int) -> tuple[SpecState, LayerState]:
     """After catch_up, the drafts of slots [0, b) that had kept pairs (live [b]): the head run once more on each
     one's last pair, the one at position lengths - 1, whose output gives the first draft, then mtp_chain (limit,
-    page_table, k as there). That pair's KV row is written again, with the same values: running the layer on it
-    alone costs one row of its MoE, where catch_up's output at every row of its chunk would cost all of them."""
+    page_table, k as there). That pair's KV row is written again, with the same values up to rounding: running
+    the layer on it alone costs one row of its MoE, where catch_up's output at every row of its chunk would cost
+    all of them."""
     b, r = lengths.shape[0], lag.tokens.shape[1]
     slots, col = jnp.arange(b), (lengths - 1) % r
     batch = TokenBatch.after(lengths - 1, live.astype(jnp.int32), 1, page_table)
