@@ -66,12 +66,12 @@ def drafts_off(engine):
 
 def program_costs(engine) -> dict:
     """XLA's cost analysis of the one-slot programs the engine decodes with (Runner.program_cost)."""
-    from jaxflash.engine.runner import Want
+    from jaxflash.engine.runner import LAG_PROGRAMS, Want
 
     runner, names = engine.scheduler.runner, ["decode"]
     names += ["verify"] if runner.setup.draft_tokens else []
-    names += ["catch_up", "resume"] if runner.setup.head_lags else []
-    return {n: runner.program_cost(n, None if n in ("catch_up", "resume") else Want(), 1) for n in names}
+    names += list(LAG_PROGRAMS) if runner.setup.head_lags else []
+    return {n: runner.program_cost(n, None if n in LAG_PROGRAMS else Want(), 1) for n in names}
 
 
 def main(argv=None) -> int:

@@ -48,6 +48,7 @@ from .speculative import SpecState
 
 log = logging.getLogger("jaxflash")
 TOP_LOGPROBS = 20  # alternatives returned per token when logprobs are asked for (OpenAI's maximum)
+LAG_PROGRAMS = ("catch_up", "resume")  # the MTP head over the pairs plain steps kept (Setup.head_lags; catch_up)
 
 
 # ----- state ------------------------------------------------------------------------------------------------
@@ -551,10 +552,10 @@ def catch_up(params: Params, setup: Setup, st: DecodeState, rows: int, span: int
     kept pair, and the chained drafts, lie below it)."""
     cfg, table = setup.cfg, _span_table(setup, st.seqs.page_table[:rows], span)
     lengths, active = st.seqs.lengths[:rows], st.active[:rows]
-    kept = active & (lengths > st.mtp_lag.length[:rows])  # slots with pairs to run
-    lag, mtp = spec_mod.catch_up(params, cfg, st.mtp_lag, lengths, active, table, st.mtp)
+    lag, mtp, n = spec_mod.catch_up(params, cfg, st.mtp_lag, lengths, active, table, st.mtp)
     spec = st.spec
     if draft:
+        kept = n > 0  # slots that had pairs to run
         new, mtp = spec_mod.draft_after_lag(params, cfg, lag, lengths, kept, _capacity(setup, table), table, mtp,
                                             setup.draft_tokens)
         drafts = spec.drafts.at[:rows].set(jnp.where(kept[:, None], new.drafts, spec.drafts[:rows]))
@@ -646,7 +647,7 @@ class Runner:
         (a batch-size bucket, default all) and attends to the first `span` positions (a context bucket, a multiple
         of the page size; None: all); a prefill chunk holds `rows` tokens (default, and None: the setup's chunk;
         fewer for short prompts)."""
-        if name not in ("admit", "release", "decode", "prefill", "verify", "catch_up", "resume"):
+        if name not in ("admit", "release", "decode", "prefill", "verify") + LAG_PROGRAMS:
             raise ValueError(f"no program {name!r}")
         if name in ("admit", "release"):
             return name, None, None, None
@@ -660,14 +661,14 @@ class Runner:
             raise ValueError(f"a decode bucket of {rows} rows; this runner has {s.max_batch} slots")
         if name == "verify" and not s.draft_tokens:
             raise ValueError("no verify program: this runner does not speculate (draft_tokens=0)")
-        if name in ("catch_up", "resume") and not s.head_lags:
+        if name in LAG_PROGRAMS and not s.head_lags:
             raise ValueError(f"no {name} program: this runner's plain steps keep no pairs for an MTP head")
         if span == s.max_pages * s.page_size:
             span = None
         if span is not None and not (0 < span < s.max_pages * s.page_size and span % s.page_size == 0):
             raise ValueError(f"a decode span of {span} positions; it must be a multiple of the page size "
                              f"{s.page_size} below the context ({s.max_pages * s.page_size})")
-        return name, None if name in ("catch_up", "resume") else want or Want(), rows, span
+        return name, None if name in LAG_PROGRAMS else want or Want(), rows, span
 
     def _program(self, name: str, want: Want | None = None, rows: int | None = None, span: int | None = None):
         """The compiled program, built on first use (see `compile`)."""
@@ -740,7 +741,7 @@ class Runner:
                 st, out = release(st, *args), None
             elif name == "prefill":
                 st, out = prefill_chunk(params, setup, want, st, *args)
-            elif name in ("catch_up", "resume"):
+            elif name in LAG_PROGRAMS:
                 st, out = catch_up(params, setup, st, rows, span, draft=name == "resume"), None
             else:  # a decode or verify bucket: slots [0, rows) only, positions [0, span)
                 step = decode_step if name == "decode" else verify_step
@@ -770,7 +771,7 @@ class Runner:
             return scalar, jax.ShapeDtypeStruct((s.max_pages,), i32), rows
         if name == "release":
             return (scalar,)
-        if name in ("catch_up", "resume"):
+        if name in LAG_PROGRAMS:
             return ()
         if name == "prefill":
             width = rows or s.chunk
@@ -860,8 +861,9 @@ class Runner:
         """XLA's cost analysis of a compiled program, {"flops": ..., "bytes": ...} (the bytes it counts its
         operations accessing), None where the backend gives none: what benchmarks compare programs by where
         wall-clock times are too noisy to."""
+        program = self._program(name, want, rows, span)
         try:
-            c = self._program(name, want, rows, span).cost_analysis()
+            c = program.cost_analysis()
         except Exception:  # noqa: BLE001 -- backends without a cost analysis
             return None
         c = c[0] if isinstance(c, list) else c

@@ -41,7 +41,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from .runner import Pending, Runner, StepOutput, Want
+from .runner import LAG_PROGRAMS, Pending, Runner, StepOutput, Want
 from .sampling import SamplingParams
 from .speculative import LAG_ROWS
 
@@ -304,13 +304,13 @@ class Scheduler:
         """The programs plain generation of one request runs, or (serving) all that step() and its helpers may
         run: every decode bucket (batch size x context), plain and rich."""
         base = [("admit", None), ("release", None)] + [("prefill", Want(), b) for b in self.prefill_buckets]
-        extra = (("verify",) if self.k else ()) + (("catch_up", "resume") if self.lagging else ())
+        extra = (("verify",) if self.k else ()) + (LAG_PROGRAMS if self.lagging else ())
         if not serving:
             return base + [(name, PLAIN, 1, span) for span in self.spans for name in ("decode",) + extra]
         verify = [("verify", want, rows, span) for rows in self.buckets for want in (PLAIN, VERIFY_RICH)
                   for span in self.spans] if self.k else []
         catch_up = [(name, None, rows, span) for rows in self.buckets for span in self.spans
-                    for name in ("catch_up", "resume") if self.lagging]
+                    for name in LAG_PROGRAMS if self.lagging]
         return base + [("prefill", Want(logprobs=True)), ("prefill", Want(score=True))] + [
             ("decode", want, rows, span) for rows in self.buckets for want in (PLAIN, RICH)
             for span in self.spans] + verify + catch_up

@@ -84,10 +84,11 @@ def caught_up(lag: HeadLag, lengths: Array, live: Array) -> HeadLag:
 
 
 def catch_up(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Array, live: Array, page_table: Array,
-             state: LayerState) -> tuple[HeadLag, LayerState]:
+             state: LayerState) -> tuple[HeadLag, LayerState, Array]:
     """The head over the kept pairs of slots [0, b) (lengths [b]: where each sequence ends; page_table [b, P]),
     as one chunk of LAG_ROWS rows per slot: each live slot's pairs from lag.length to its length, in order
-    (rows past them are padding, which writes nothing). Returns (the lag with nothing kept, the head's state).
+    (rows past them are padding, which writes nothing). Returns (the lag with nothing kept, the head's state,
+    how many pairs each slot had kept [b]).
     Only the head's KV pages are kept, so XLA computes the layer's K and V rows alone, not its MoE."""
     b, r = lengths.shape[0], lag.tokens.shape[1]
     start = lag.length[:b]
@@ -96,7 +97,7 @@ def catch_up(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Array, liv
     hidden = jnp.take_along_axis(lag.hidden[:b], cols[:, :, None], axis=1)
     tokens = jnp.take_along_axis(lag.tokens[:b], cols, axis=1)
     _, state, _ = mtp_mod.mtp_layer(params, cfg, hidden, tokens, TokenBatch.after(start, n, r, page_table), state)
-    return caught_up(lag, lengths, live), state
+    return caught_up(lag, lengths, live), state, n
 
 
 def draft_after_lag(params: Params, cfg: ModelConfig, lag: HeadLag, lengths: Array, live: Array, limit: Array,
