@@ -873,8 +873,9 @@ class Runner:
                    span: int | None = None) -> int | None:
         """Bytes of temporaries XLA assigned a compiled program (None where the backend does not say): what
         the planner's workspace must hold."""
+        program = self._program(name, want, rows, span)  # a failed compile raises here, not below
         try:
-            return int(self._program(name, want, rows, span).memory_analysis().temp_size_in_bytes)
+            return int(program.memory_analysis().temp_size_in_bytes)
         except Exception:  # noqa: BLE001 -- backends without a memory analysis
             return None
 

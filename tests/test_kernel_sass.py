@@ -1,0 +1,71 @@
+"""benchmarks/kernel_sass.py: its SASS loop profile on a hand-made listing, the capture of the expert kernels'
+Triton modules lowered for a CUDA GPU on this machine (no device), and, where Triton is installed, their
+compilation for sm_90."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import kernel_sass  # noqa: E402
+
+LISTING = """
+        Function : kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                     /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;               /* 0x0000000404027981 */
+        /*0020*/                   WARPSYNC 0xffffffff ;                      /* 0x0000000000007948 */
+        /*0030*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;          /* 0x0c201f0002037f89 */
+        /*0040*/               @P0 BRA 0x20 ;                                 /* 0xfffffff000800947 */
+        /*0050*/                   LDG.E.64 R6, desc[UR4][R8.64] ;            /* 0x0000000408067981 */
+        /*0060*/                   LDG.E.64 R10, desc[UR4][R8.64+0x40] ;      /* 0x000040040a0a7981 */
+        /*0070*/                   HFMA2 R12, R6, R10, R12 ;                  /* 0x0000000a060c7231 */
+        /*0080*/                   HFMA2 R12, R7, R11, R12 ;                  /* 0x0000000b070c7231 */
+        /*0090*/              @!P1 BRA 0x50 ;                                 /* 0xfffffff000800947 */
+        /*00a0*/                   ISETP.GE.AND P2, PT, R0, 0x3, PT ;         /* 0x000000030000780c */
+        /*00b0*/               @P2 BRA 0x0 ;                                  /* 0xfffffff000800947 */
+        /*00c0*/                   EXIT ;                                     /* 0x000000000000794d */
+        /*00d0*/                   BRA 0xd0;                                  /* 0xfffffffc00fc7947 */
+"""
+
+
+def test_loop_profile_takes_the_innermost_loop_with_the_loads():
+    """Three backward branches: a collective loop (no global load), the walk (two loads), and an outer loop
+    around both; the walk's body is the profile."""
+    p = kernel_sass.loop_profile(LISTING)
+    assert p["instructions"] == 14
+    assert p["loop"] == 5  # 0x50 .. 0x90
+    assert p["opcodes"] == {"LDG": 2, "HFMA2": 2, "BRA": 1}
+
+
+def test_loop_profile_without_a_loop():
+    p = kernel_sass.loop_profile("        /*0000*/                   EXIT ;   /* 0x000000000000794d */\n")
+    assert p == {"instructions": 1, "loop": 0, "opcodes": {}}
+
+
+def test_the_expert_kernels_are_captured_for_a_cuda_gpu():
+    """The lowering for CUDA runs here (no device): both kernels' Triton modules, in program order; a jax whose
+    private lowering moved fails here, not only on a machine with Triton."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash.kernels import nvfp4_experts as K
+
+    h, i, e, k = 64, 32, 4, 2
+    place = K.Placement(h, i, *[K.Part(j, 0, kind) for j, kind in enumerate(["u8"] * 3 + ["f8"] * 3 + ["f32"] * 3)])
+    ops = tuple(jax.ShapeDtypeStruct((e, n), dt) for n, dt in
+                [(i * h // 2, jnp.uint8)] * 3 + [(i * h // 16, jnp.float8_e4m3fn)] * 3 + [(1, jnp.float32)] * 3)
+    modules = kernel_sass.capture_triton_modules(
+        lambda x, ids, ops: K._pairs(x, ids, ops, place, K.Tiles(), False),
+        jax.ShapeDtypeStruct((1, h), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32), ops)
+    assert [name for name, _ in modules] == ["nvfp4_gate_up", "nvfp4_down"]
+    assert all("tt.load" in text and "tt.store" in text for _, text in modules)
+
+
+def test_compiled_for_sm90_where_triton_is_installed(tmp_path):
+    pytest.importorskip("triton")
+    rows = kernel_sass.expert_kernels("auto", kernel_sass.parse_tiles("default")[0], 1, str(tmp_path))
+    assert [r["kernel"] for r in rows] == ["nvfp4_gate_up", "nvfp4_down"]
+    assert all(r["registers"] > 0 and r["loop"] > 0 and r["per_byte"] > 0 for r in rows)
