@@ -181,8 +181,9 @@ def speedups(plain: dict, run: dict, counts: dict | None) -> dict:
     """Tokens per second of one sequence, relative to plain decoding, from the steps' wall times."""
     k, t_p, t_v = run["draft_tokens"], plain["step_ms"], run["step_ms"]
     t_own = run.get("own_plain_step_ms", t_p)  # this engine's own plain step (where its drafts are held off)
-    out = {"verify_over_plain": t_v / t_p, "all_kept": (k + 1) * t_p / t_v, f"tau_{TARGET_TAU}": TARGET_TAU * t_p / t_v,
-           "own_plain_over_plain": t_own / t_p}
+    out = {"verify_over_plain": t_v / t_p, "all_kept": (k + 1) * t_p / t_v, "own_plain_over_plain": t_own / t_p}
+    if k + 1 >= TARGET_TAU:  # a verify step yields at most k + 1 tokens
+        out[f"tau_{TARGET_TAU}"] = TARGET_TAU * t_p / t_v
     if counts:  # the bundled model's text: the same tokens in (plain steps) + (verify steps) against plain steps
         c = counts.get((run["proposer"], k))
         if c:
@@ -208,7 +209,9 @@ def report(run: dict) -> str:
         s = (f"    verify / plain step {sp['verify_over_plain']:.2f}x, its own plain step "
              f"{run['own_plain_step_ms']:.2f} ms ({sp['own_plain_over_plain']:.3f}x){catch}; speedup with every "
              "draft kept "
-             f"{sp['all_kept']:.2f}x, at {TARGET_TAU} tokens/step {sp[f'tau_{TARGET_TAU}']:.2f}x")
+             f"{sp['all_kept']:.2f}x")
+        if f"tau_{TARGET_TAU}" in sp:
+            s += f", at {TARGET_TAU} tokens/step {sp[f'tau_{TARGET_TAU}']:.2f}x"
         if "text" in sp:
             s += (f", on the bundled model's text ({sp['text_tokens_per_verify_step']:.2f} tokens per verify step) "
                   f"{sp['text']:.2f}x")
