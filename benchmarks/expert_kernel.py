@@ -142,6 +142,17 @@ def graph_ids(events: list[dict], match) -> dict:
     return {"kernels": len(ev), "with_graph_id": graphed, "arg_names": keys}
 
 
+def pallas_tiles(g: tuple):
+    """nvfp4_experts.Tiles of a sweep entry: (rows_gu, chunk_gu, warps_gu, rows_down, chunk_down, warps_down
+    [, unroll[, math[, x_scale]]]); the fields left out keep their defaults."""
+    from jaxflash.kernels import nvfp4_experts as K
+
+    d = K.Tiles()
+    return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
+                   unroll=g[6] if len(g) > 6 else d.unroll, math=g[7] if len(g) > 7 else d.math,
+                   x_scale=g[8] if len(g) > 8 else d.x_scale)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full", choices=["full", "tiny"])
@@ -366,11 +377,6 @@ def main(argv=None) -> int:
                 if c not in best or key < best[c][0]:
                     best[c] = (key, tiles)
         return best
-
-    def pallas_tiles(g):
-        return K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4], warps_down=g[5],
-                       unroll=g[6] if len(g) > 6 else K.Tiles().unroll, math=g[7] if len(g) > 7 else K.Tiles().math,
-                       x_scale=g[8] if len(g) > 8 else K.Tiles().x_scale)
 
     best = run_sweep("pallas", [pallas_tiles(g) for g in grid], time.perf_counter() + args.sweep_budget)
     chosen = best.get("b1", (None, K.Tiles()))[1]

@@ -104,23 +104,33 @@ def loop_profile(sass: str) -> dict:
     return out
 
 
-def expert_kernels(math: str, tiles, tokens: int, work: str) -> list[dict]:
-    """Both expert kernels of jaxflash.kernels.nvfp4_experts for `tokens` rows at full size, compiled for sm_90."""
-    import dataclasses
-
+def expert_call(tiles, tokens: int, hidden: int = H, inter: int = I, top_k: int = TOP_K, experts: int = 16):
+    """(fn, args) that lowering turns into both expert kernels of jaxflash.kernels.nvfp4_experts: `tokens` rows
+    against resident NVFP4 experts of the given shapes (abstract: nothing is allocated; the expert count changes
+    no instruction)."""
     import jax
     import jax.numpy as jnp
 
     from jaxflash.kernels import nvfp4_experts as K
 
-    experts = 16  # the count changes no instruction
-    place = K.Placement(H, I, *[K.Part(j, 0, kind) for j, kind in enumerate(["u8"] * 3 + ["f8"] * 3 + ["f32"] * 3)])
+    place = K.Placement(hidden, inter, *[K.Part(j, 0, kind)
+                                         for j, kind in enumerate(["u8"] * 3 + ["f8"] * 3 + ["f32"] * 3)])
     ops = tuple(jax.ShapeDtypeStruct((experts, n), dt) for n, dt in
-                [(I * H // 2, jnp.uint8)] * 3 + [(I * H // 16, jnp.float8_e4m3fn)] * 3 + [(1, jnp.float32)] * 3)
-    x = jax.ShapeDtypeStruct((tokens, H), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((tokens, TOP_K), jnp.int32)
+                [(inter * hidden // 2, jnp.uint8)] * 3 + [(inter * hidden // 16, jnp.float8_e4m3fn)] * 3
+                + [(1, jnp.float32)] * 3)
+    args = (jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), ops)
+    return (lambda x, ids, ops: K._pairs(x, ids, ops, place, tiles, False)), args, place
+
+
+def expert_kernels(math: str, tiles, tokens: int, work: str) -> list[dict]:
+    """Both expert kernels of jaxflash.kernels.nvfp4_experts for `tokens` rows at full size, compiled for sm_90."""
+    import dataclasses
+
+    from jaxflash.kernels import nvfp4_experts as K
+
     t = dataclasses.replace(tiles, math=math)
-    modules = capture_triton_modules(lambda x, ids, ops: K._pairs(x, ids, ops, place, t, False), x, ids, ops)
+    fn, args, place = expert_call(t, tokens)
+    modules = capture_triton_modules(fn, *args)
     fit = K.fit_tiles(place, t)
     shapes = {"nvfp4_gate_up": (fit.warps_gu, 2 * fit.rows_gu * fit.chunk_gu),  # gate and up: two matrices
               "nvfp4_down": (fit.warps_down, fit.rows_down * fit.chunk_down)}
@@ -140,16 +150,13 @@ def expert_kernels(math: str, tiles, tokens: int, work: str) -> list[dict]:
 
 
 def parse_tiles(spec: str):
+    """'default', or expert_kernel.py's sweep entries without their math (--math gives it), ';'-separated."""
+    from expert_kernel import pallas_tiles
     from jaxflash.kernels import nvfp4_experts as K
 
     if spec == "default":
         return [K.Tiles()]
-    out = []
-    for s in spec.split(";"):
-        g = [int(v) for v in s.split(":")]
-        out.append(K.Tiles(rows_gu=g[0], chunk_gu=g[1], warps_gu=g[2], rows_down=g[3], chunk_down=g[4],
-                           warps_down=g[5], **({"unroll": g[6]} if len(g) > 6 else {})))
-    return out
+    return [pallas_tiles(tuple(int(v) for v in s.split(":"))) for s in spec.split(";")]
 
 
 def main(argv=None) -> None:

@@ -52,6 +52,12 @@ def run(engine, prompts, new: int):
     return outs, secs, {k: after[k] - before[k] for k in before}
 
 
+def label(config) -> str:
+    """A configuration (proposer, K) as the report names it: "plain", "ngram K=2", ..."""
+    proposer, k = config
+    return f"{proposer} K={k}" if k else "plain"
+
+
 def drafts_off(engine):
     """The engine's scheduler with step costs under which no draft pays (it runs plain decode steps only)."""
     from jaxflash.engine.scheduler import StepCosts
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
                "ms_per_token": secs[c] / tokens * 1e3}
         row["tokens_per_step"] = tokens / max(st["decode_steps"], 1)
         row["kept_fraction"] = st["drafts_accepted"] / st["drafts_fed"] if st["drafts_fed"] else None
-        name = f"{proposer} K={k}" if k else "plain"
+        name = label(c)
         if k:
             row["equal_to_plain"] = sum(a == b for a, b in zip(outs[c], outs[plain]))
             row["speedup"] = res["runs"][0]["ms_per_token"] / row["ms_per_token"]
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
         row["drafts_off_ms_per_token"] = float(np.median(off[c])) / row["tokens"] * 1e3
         row["drafts_off_speedup"] = float(np.median(ratios))
         row["drafts_off_speedup_range"] = [min(ratios), max(ratios)]
-        name = f"{c[0]} K={c[1]}" if c[1] else "plain"
+        name = label(c)
         print(f"  {name:11s}: {row['drafts_off_ms_per_token']:.2f} ms/token, {row['drafts_off_speedup']:.3f}x plain "
               f"(rounds {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
     # what the programs compute, by XLA's count: deterministic where the times above are not
@@ -182,7 +188,7 @@ def main(argv=None) -> int:
             print("  (no cost analysis on this backend)")
             break
         base = base or costs["decode"]
-        name = f"{c[0]} K={c[1]}" if c[1] else "plain"
+        name = label(c)
         print(f"  {name:11s}: " + "; ".join(f"{n} {v['flops'] / 1e6:.2f} MFLOP ({v['flops'] / base['flops']:.3f}x), "
                                             f"{v['bytes'] / 1e6:.2f} MB ({v['bytes'] / base['bytes']:.3f}x)"
                                             for n, v in costs.items()), flush=True)

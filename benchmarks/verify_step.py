@@ -82,8 +82,7 @@ def run_config(name, engine, prompts, k, args, trace_dir):
     total = args.warm + args.steps + args.trace_steps
     own_plain = args.warm + args.steps if k else 0  # the speculating engine's own plain steps, after its verify steps
     reqs = sched.make_requests(prompts, max_new_tokens=total * (k + 1) + own_plain + 8, temperature=0.0, top_p=1.0,
-                               top_k=0,
-                               min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
+                               top_k=0, min_p=0.0, seed=0, stop=None, eos_ids=(), ignore_eos=True)
     for r in reqs:
         sched.submit(r)
     while sched.pending or any(not r.out for r in reqs):  # admissions and prefills, through the scheduler
@@ -208,8 +207,7 @@ def report(run: dict) -> str:
         catch = f", catch_up {run['catch_up_ms']:.2f} ms" if "catch_up_ms" in run else ""
         s = (f"    verify / plain step {sp['verify_over_plain']:.2f}x, its own plain step "
              f"{run['own_plain_step_ms']:.2f} ms ({sp['own_plain_over_plain']:.3f}x){catch}; speedup with every "
-             "draft kept "
-             f"{sp['all_kept']:.2f}x")
+             f"draft kept {sp['all_kept']:.2f}x")
         if f"tau_{TARGET_TAU}" in sp:
             s += f", at {TARGET_TAU} tokens/step {sp[f'tau_{TARGET_TAU}']:.2f}x"
         if "text" in sp:

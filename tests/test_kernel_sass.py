@@ -48,18 +48,10 @@ def test_loop_profile_without_a_loop():
 def test_the_expert_kernels_are_captured_for_a_cuda_gpu():
     """The lowering for CUDA runs here (no device): both kernels' Triton modules, in program order; a jax whose
     private lowering moved fails here, not only on a machine with Triton."""
-    import jax
-    import jax.numpy as jnp
-
     from jaxflash.kernels import nvfp4_experts as K
 
-    h, i, e, k = 64, 32, 4, 2
-    place = K.Placement(h, i, *[K.Part(j, 0, kind) for j, kind in enumerate(["u8"] * 3 + ["f8"] * 3 + ["f32"] * 3)])
-    ops = tuple(jax.ShapeDtypeStruct((e, n), dt) for n, dt in
-                [(i * h // 2, jnp.uint8)] * 3 + [(i * h // 16, jnp.float8_e4m3fn)] * 3 + [(1, jnp.float32)] * 3)
-    modules = kernel_sass.capture_triton_modules(
-        lambda x, ids, ops: K._pairs(x, ids, ops, place, K.Tiles(), False),
-        jax.ShapeDtypeStruct((1, h), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32), ops)
+    fn, args, _ = kernel_sass.expert_call(K.Tiles(), 1, hidden=64, inter=32, top_k=2, experts=4)
+    modules = kernel_sass.capture_triton_modules(fn, *args)
     assert [name for name, _ in modules] == ["nvfp4_gate_up", "nvfp4_down"]
     assert all("tt.load" in text and "tt.store" in text for _, text in modules)
 
