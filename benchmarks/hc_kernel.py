@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="4:8:4,4:8:4:1:2:64,4:8:4:1:4:64,2:8:2:1:2:64,8:8:8:1:2:256,4:16:4:1:2:256",
                     help="comma-separated kernel variants block_r:block_h:warps[:splits[:up_warps[:r_piece]]] "
                          "(splits default to the engine's hc_mix.row_splits, which depends on the rows; the up "
-                         "kernel's warps and its loads of the rank default to the engine's hc_mix.UP_WARPS and "
-                         "R_PIECE), each run with its combine separate and fused into the next mix")
+                         "kernel's warps and its loads of the rank default to the engine's hc_mix.up_warps_for, "
+                         "which depends on the rows, and R_PIECE), each run with its combine separate and fused "
+                         "into the next mix")
     ap.add_argument("--baselines", default="xla,xla-f32", help="XLA's forms to run: xla (the model's mix), xla-f32 "
                     "(weights widened to float32); the model's mix is the numerics' reference either way")
     ap.add_argument("--fused-only", action="store_true", help="run each kernel variant with its combine fused only")
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         given = tuple(int(n) for n in v.split(":"))
         if not 3 <= len(given) <= 6:
             ap.error(f"--variants: {v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece]]]")
-        defaults = (None, None, None, None, hc_mix.UP_WARPS, hc_mix.R_PIECE)  # the fields left out: the engine's
+        defaults = (None, None, None, None, None, hc_mix.R_PIECE)  # the fields left out: the engine's
         variants.append(given + defaults[len(given):])
 
     def program(variant, fused=False):
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         ref = program(None)(mixes, h)
         cases = [(b, {"xla": None, "xla-f32": "f32"}[b], False) for b in args.baselines.split(",") if b]
         for v in variants:
-            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3] or 'auto'}-u{v[4]}-p{v[5]}"
+            name = f"kernel-r{v[0]}-h{v[1]}-w{v[2]}-s{v[3] or 'auto'}-u{v[4] or 'auto'}-p{v[5]}"
             cases += ([] if args.fused_only else [(name, v, False)]) + [(name + "-fused", v, True)]
         for name, variant, fused in cases:
             fn = program(variant, fused)

@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """The decode expert kernels' machine code for Hopper (sm_90), built on a machine without a GPU: registers and
 instructions per byte of NVFP4 codes, the figures that bound a kernel whose time goes to issuing instructions
-rather than to reading memory (benchmarks/RESULTS.md, "Decode expert kernels: where the time goes").
+rather than to reading memory (benchmarks/RESULTS.md, "Decode expert kernels: where the time goes"). With
+--kernels hc, the hyper-connection mix kernels' registers and spills at a few rows.
 
 How: jax lowers the Pallas kernels of jaxflash.kernels.nvfp4_experts for a CUDA GPU on any machine
 (`.lower(lowering_platforms=("cuda",))`); each pallas_call's Triton module is captured as text on its way into
 the program, compiled by Triton (the pip wheel, the major version of the GPU image's) for sm_90 with the
 kernel's warps and stages, and disassembled by the cuobjdump that Triton ships. No device is involved.
 
-For each kernel it reports the registers per thread and shared memory (occupancy follows from them), the SASS
-instructions in all and in the walk's loop body (the loop over input chunks: one backward branch), that body's
-instructions by opcode, and instructions per byte of codes (the loop body over the bytes one thread reads per
-step). A Hopper SM issues one instruction per clock in each of its 4 schedulers, so at full issue rate the 132 SMs
-of an H200 retire about 1.0e12 warp instructions per second: at N instructions per byte a layer's 27.6 MB of
-codes (batch 1) need 27.6e6 * N / 32 / 1.0e12 s of issue alone.
+For each kernel it reports the registers per thread and shared memory (occupancy follows from them), the
+local-memory loads and stores (spills), the SASS instructions in all and in the walk's loop body (the loop over
+input chunks: one backward branch), that body's instructions by opcode, and instructions per byte of codes (the
+loop body over the bytes one thread reads per step). A Hopper SM issues one instruction per clock in each of its
+4 schedulers, so at full issue rate the 132 SMs of an H200 retire about 1.0e12 warp instructions per second: at N
+instructions per byte a layer's 27.6 MB of codes (batch 1) need 27.6e6 * N / 32 / 1.0e12 s of issue alone.
 
 Limits: on the GPU, XLA compiles these modules with the Triton bundled in jaxlib, not the pip wheel, so the counts
 are close to, not equal to, the GPU's; the figures rank forms of a kernel, the GPU's trace times them.
@@ -21,6 +22,7 @@ are close to, not equal to, the GPU's; the figures rank forms of a kernel, the G
     pip install triton==3.6.0                                                     # once (about 190 MB)
     python benchmarks/kernel_sass.py --out DIR                                    # the default tiles and math
     python benchmarks/kernel_sass.py --math f16x2,f32 --tiles "32:256:8:8:64:1;16:256:4:8:64:1" --tokens 1,8
+    python benchmarks/kernel_sass.py --kernels hc --tokens 1,2,3,4,8 --out DIR   # the mix kernels
 """
 
 from __future__ import annotations
@@ -104,6 +106,17 @@ def loop_profile(sass: str) -> dict:
     return out
 
 
+def opcodes(sass: str) -> collections.Counter:
+    """Every instruction of a listing by opcode (predicates and modifiers dropped)."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()).split()[0].split(".")[0]
+                               for m in re.finditer(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", sass, re.M))
+
+
+def spills(ops: collections.Counter) -> int:
+    """Local-memory loads and stores: what the compiler spilled (the Pallas kernels have no local arrays)."""
+    return ops["STL"] + ops["LDL"]
+
+
 def expert_call(tiles, tokens: int, hidden: int = H, inter: int = I, top_k: int = TOP_K, experts: int = 16):
     """(fn, args) that lowering turns into both expert kernels of jaxflash.kernels.nvfp4_experts: `tokens` rows
     against resident NVFP4 experts of the given shapes (abstract: nothing is allocated; the expert count changes
@@ -141,12 +154,55 @@ def expert_kernels(math: str, tiles, tokens: int, work: str) -> list[dict]:
         with open(path, "w") as f:
             f.write(text)
         c = compile_sm90(path, warps, fit.stages)
-        prof = loop_profile(c.pop("sass"))
+        sass = c.pop("sass")
+        prof = loop_profile(sass)
+        prof["spills"] = spills(opcodes(sass))
         per_thread = step_bytes / (warps * 32)
         rows.append({"kernel": name, "math": math, "tokens": tokens, "tiles": dataclasses.asdict(fit), "warps": warps,
                      **c, **prof, "bytes_per_thread_step": per_thread,
                      "per_byte": prof["loop"] / per_thread if prof["loop"] else None})
     return rows
+
+
+def hc_call(rows: int, streams: int = 4, hidden: int = H, rank: int = 320, **tiles):
+    """(fn, args) that lowering turns into the hyper-connection mix kernels of jaxflash.kernels.hc_mix for `rows`
+    rows at the given shapes (the full size's by default), with a MoE block's output combined first, as the
+    decode step's mixes after a MoE block run; tiles: hc_mix.mix's tile arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash.kernels import hc_mix
+
+    w = streams * hidden
+    sd = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    args = (sd((rows, w)), sd((w,), jnp.bfloat16), sd((rank, w), jnp.bfloat16), sd((w, rank), jnp.bfloat16),
+            sd((streams, w), jnp.bfloat16), sd((rows, streams)), sd((rows, hidden)), sd((rows, hidden), jnp.bfloat16),
+            sd((rows, 1)))
+
+    def fn(h, norm, down, up, inject, inj0, routed, shared, gate):
+        return hc_mix.mix(h, norm, down, up, inject, streams, 1e-6, pending=(inj0, routed, shared, gate),
+                          x_dtype=jnp.bfloat16, interpret=False, **tiles)
+    return fn, args
+
+
+def hc_kernels(rows: int, work: str, **tiles) -> list[dict]:
+    """The mix kernels for `rows` rows at full size, compiled for sm_90: registers, shared memory, instructions,
+    spills and the global loads and barriers per program."""
+    from jaxflash.kernels import hc_mix
+
+    warps = tiles.get("warps") or hc_mix.WARPS
+    up_warps = tiles.get("up_warps") or hc_mix.up_warps_for(rows)
+    out, (fn, args) = [], hc_call(rows, **tiles)
+    for name, text in capture_triton_modules(fn, *args):
+        path = os.path.join(work, f"{name}_r{rows}.ttir")
+        with open(path, "w") as f:
+            f.write(text)
+        nw = up_warps if name == "hc_mix_up" else warps
+        c = compile_sm90(path, nw, 1)
+        ops = opcodes(c.pop("sass"))
+        out.append({"kernel": name, "rows": rows, "warps": nw, **c, "instructions": sum(ops.values()),
+                    "spills": spills(ops), "global_loads": ops["LDG"], "barriers": ops["BAR"]})
+    return out
 
 
 def parse_tiles(spec: str):
@@ -165,17 +221,31 @@ def main(argv=None) -> None:
     ap.add_argument("--tiles", default="default",
                     help="'default' or rows_gu:chunk_gu:warps_gu:rows_down:chunk_down:warps_down[:unroll];...")
     ap.add_argument("--tokens", default="1", help="comma-separated token rows of the step")
+    ap.add_argument("--kernels", default="experts",
+                    help="comma-separated: experts (nvfp4_experts), hc (the hyper-connection mix, hc_mix, at --tokens "
+                         "rows with its default tiles)")
     ap.add_argument("--out", default=None, help="folder for kernel_sass.json")
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="jaxflash_sass_")
+    kinds = args.kernels.split(",")
+    if "hc" in kinds:
+        mixes = [r for n in (int(v) for v in args.tokens.split(",")) for r in hc_kernels(n, work)]
+        print(f"{'kernel':14} {'rows':>4} {'warps':>5} {'regs':>4} {'smem':>6} {'sass':>6} {'spills':>6} "
+              f"{'LDG':>5} {'BAR':>4}")
+        for r in mixes:
+            print(f"{r['kernel']:14} {r['rows']:4d} {r['warps']:5d} {r['registers']:4d} {r['shared']:6d} "
+                  f"{r['instructions']:6d} {r['spills']:6d} {r['global_loads']:5d} {r['barriers']:4d}")
+        write_json(args.out, "kernel_sass_hc.json", {"triton_target": "cuda sm_90", "rows": mixes})
+    if "experts" not in kinds:
+        return
     rows = []
     for tiles in parse_tiles(args.tiles):
         for math in args.math.split(","):
             for n in (int(v) for v in args.tokens.split(",")):
                 rows += expert_kernels(math, tiles, n, work)
     print(f"{'kernel':14} {'math':6} {'rows':>4} {'tiles (rows:chunk:warps)':>24} {'regs':>4} {'smem':>6} {'sass':>5} "
-          f"{'loop':>5} {'B/thr':>5} {'instr/B':>7}  loop opcodes")
+          f"{'spill':>5} {'loop':>5} {'B/thr':>5} {'instr/B':>7}  loop opcodes")
     for r in rows:
         t = r["tiles"]
         shape = (f"{t['rows_gu']}:{t['chunk_gu']}:{t['warps_gu']}" if r["kernel"] == "nvfp4_gate_up"
@@ -183,7 +253,8 @@ def main(argv=None) -> None:
         per_byte = f"{r['per_byte']:7.2f}" if r["per_byte"] else "      -"
         ops = ", ".join(f"{k} {v}" for k, v in list(r["opcodes"].items())[:8])
         print(f"{r['kernel']:14} {r['math']:6} {r['tokens']:4d} {shape:>24} {r['registers']:4d} {r['shared']:6d} "
-              f"{r['instructions']:5d} {r['loop']:5d} {r['bytes_per_thread_step']:5.0f} {per_byte}  {ops}")
+              f"{r['instructions']:5d} {r['spills']:5d} {r['loop']:5d} {r['bytes_per_thread_step']:5.0f} {per_byte}  "
+              f"{ops}")
     codes = {"nvfp4_gate_up": TOP_K * I * H, "nvfp4_down": TOP_K * I * H // 2}  # bytes per layer, batch 1
     for m in args.math.split(","):
         first = [r for r in rows if r["math"] == m and r["per_byte"]][:2]  # the first tiles' two kernels

@@ -1,6 +1,6 @@
-"""benchmarks/kernel_sass.py: its SASS loop profile on a hand-made listing, the capture of the expert kernels'
-Triton modules lowered for a CUDA GPU on this machine (no device), and, where Triton is installed, their
-compilation for sm_90."""
+"""benchmarks/kernel_sass.py: its SASS loop profile and opcode counts on hand-made listings, the capture of the
+expert and mix kernels' Triton modules lowered for a CUDA GPU on this machine (no device), and, where Triton is
+installed, their compilation for sm_90."""
 
 from __future__ import annotations
 
@@ -56,8 +56,30 @@ def test_the_expert_kernels_are_captured_for_a_cuda_gpu():
     assert all("tt.load" in text and "tt.store" in text for _, text in modules)
 
 
+def test_the_mix_kernels_are_captured_for_a_cuda_gpu():
+    """The hyper-connection mix lowers to its two kernels for a few rows, and from hc_mix.GATES_FROM_ROWS rows to
+    three: the partials combined once per row (hc_mix_gates) between them."""
+    from jaxflash.kernels import hc_mix
+
+    for rows, names in ((1, ["hc_mix_down", "hc_mix_up"]),
+                        (hc_mix.GATES_FROM_ROWS, ["hc_mix_down", "hc_mix_gates", "hc_mix_up"])):
+        fn, args = kernel_sass.hc_call(rows, hidden=64, rank=32)
+        assert [name for name, _ in kernel_sass.capture_triton_modules(fn, *args)] == names
+
+
+def test_opcodes_and_spills():
+    ops = kernel_sass.opcodes(LISTING)
+    assert ops["LDG"] == 3 and ops["BRA"] == 4 and sum(ops.values()) == 14 and kernel_sass.spills(ops) == 0
+    local = "        /*0000*/                   STL [R1+0x4], R2 ;   /* 0x0 */\n" \
+            "        /*0010*/              @P0 LDL R3, [R1+0x4] ;   /* 0x0 */\n"
+    assert kernel_sass.spills(kernel_sass.opcodes(local)) == 2
+
+
 def test_compiled_for_sm90_where_triton_is_installed(tmp_path):
     pytest.importorskip("triton")
     rows = kernel_sass.expert_kernels("auto", kernel_sass.parse_tiles("default")[0], 1, str(tmp_path))
     assert [r["kernel"] for r in rows] == ["nvfp4_gate_up", "nvfp4_down"]
     assert all(r["registers"] > 0 and r["loop"] > 0 and r["per_byte"] > 0 for r in rows)
+    mixes = kernel_sass.hc_kernels(4, str(tmp_path))  # full size: the up kernel spilled at 4 rows before the gates
+    assert [r["kernel"] for r in mixes] == ["hc_mix_down", "hc_mix_gates", "hc_mix_up"]
+    assert all(r["spills"] == 0 for r in mixes)

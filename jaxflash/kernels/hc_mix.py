@@ -1,6 +1,6 @@
 """A hyper-connection mix (jaxflash.model.hyper_connection.mix) for a few token rows in two kernels (Pallas;
-Triton backend on a GPU), where XLA spends six or seven; optionally with the combine that precedes it
-(hyper_connection.combine_mix), which XLA runs as one more kernel.
+Triton backend on a GPU; three from GATES_FROM_ROWS rows), where XLA spends six or seven; optionally with the
+combine that precedes it (hyper_connection.combine_mix), which XLA runs as one more kernel.
 
 For rows h [N, W] of the float32 residual (S streams of H side by side), norm weight n [W], the bottleneck
 down [R, W] and up [W, R], and the injection weights inject [S, W]:
@@ -19,6 +19,11 @@ the columns of stream s. So:
   * the up kernel: program j combines the partials (rstd, a, from L2), then computes x for columns
     [j BH, (j+1) BH) of a stream: for each stream s the gates of those columns (up's rows s H + j BH ...),
     times xn, summed over the streams; program 0 also writes inj.
+  * from GATES_FROM_ROWS rows on, a third kernel between them (hc_mix_gates, a program per row) combines the
+    partials into rstd, a and inj once, and the up programs (GATED_UP_WARPS warps) read those. Up programs that
+    each combined rows x parts x R partials themselves (12,800 floats at 8 rows of 5 splits) beside their
+    weights spilled to local memory: 6,606 local loads and stores per program at 8 rows, 30 at 4 (offline
+    compile, benchmarks/kernel_sass.py --kernels hc); now none.
 A program's weight loads do not depend on each other: it accumulates elementwise products in registers and
 reduces them once at the end (a reduction per load, as the first versions did, serialises the loads behind
 barriers: 0.66 TB/s). Each weight byte is read once. Float32 throughout, as the model's own mix, which is the
@@ -54,6 +59,15 @@ BLOCK_R, BLOCK_H, WARPS, SPLITS, UP_WARPS, R_PIECE = 4, 8, 4, 1, 2, 64
 # stream's columns are split over up to ROWS_SPLITS programs, so that 8 rows of 512 columns take 32 registers a
 # thread. On an H100 at 4 rows: 24.2 us per mix against 32.4 for whole streams; at 2 rows 13.1 against 12.6.
 SPLIT_FROM_ROWS, ROWS_SPLITS = 3, 5
+GATES_FROM_ROWS = 3  # from this many rows, hc_mix_gates combines the partials once (see the module docstring)
+# Warps of the up kernel from GATES_FROM_ROWS rows: its weights and rows of a then span 128 threads, so that 4 and
+# 8 rows compile without local memory (2 warps spill at 4 rows and 8; kernel_sass.py --kernels hc, offline).
+GATED_UP_WARPS = 4
+
+
+def up_warps_for(rows: int) -> int:
+    """The default warps of the up kernel for a mix of `rows` rows."""
+    return GATED_UP_WARPS if rows >= GATES_FROM_ROWS else UP_WARPS
 
 
 def row_splits(rows: int, hidden: int, block_r: int = BLOCK_R, warps: int = WARPS) -> int:
@@ -158,8 +172,42 @@ def _down_kernel(h_ref, inj0_ref, y_refs, norm_ref, down_ref, inject_ref, p_ref,
                 pi_ref[n, c, :] = dots[n]
 
 
+def _over_splits(ref, n, s, splits: int, idx=()):
+    """Stream s's partials of row n, summed over the stream's splits."""
+    return sum(ref[(n, s * splits + k) + idx] for k in range(splits))
+
+
+def _rstd_a(p_ref, ss_ref, n, *, streams: int, hidden: int, pieces, splits: int, eps: float):
+    """Row n's per-stream rstd and a = silu(down xn / S) (one piece of the rank at a time) from the partials."""
+    rstd = [jax.lax.rsqrt(_over_splits(ss_ref, n, s, splits) / hidden + eps) for s in range(streams)]
+    a = [jax.nn.silu(sum(rstd[s] * _over_splits(p_ref, n, s, splits, (pl.ds(r0, size),))
+                         for s in range(streams)) / streams) for r0, size in pieces]
+    return rstd, a
+
+
+def _injection(pi_ref, rstd, n, *, streams: int, splits: int):
+    """Row n's injection weights 2 sigmoid(inject xn / S) [S] from the partials."""
+    t = sum(rstd[s] * _over_splits(pi_ref, n, s, splits, (slice(None),)) for s in range(streams))
+    return 2.0 * jax.nn.sigmoid(t / streams)
+
+
+def _gates_kernel(p_ref, ss_ref, pi_ref, a_ref, rstd_ref, inj_ref, *, streams: int, hidden: int,
+                  pieces: tuple[tuple[int, int], ...], splits: int, eps: float):
+    """Program n: row n's rstd [S], a [R] and inj [S], for the up programs to read."""
+    n = pl.program_id(0)
+    rstd, a = _rstd_a(p_ref, ss_ref, n, streams=streams, hidden=hidden, pieces=pieces, splits=splits, eps=eps)
+    for (r0, size), v in zip(pieces, a):
+        a_ref[n, pl.ds(r0, size)] = v
+    for s in range(streams):
+        rstd_ref[n, s] = rstd[s]
+    if inj_ref is not None:
+        inj_ref[n, :] = _injection(pi_ref, rstd, n, streams=streams, splits=splits)
+
+
 def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *, rows: int, streams: int,
-               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float):
+               hidden: int, block_h: int, pieces: tuple[tuple[int, int], ...], splits: int, eps: float,
+               gated: bool = False):
+    """gated: p_ref and ss_ref hold hc_mix_gates' a [N, R] and rstd [N, S] (pi_ref, inj_ref unused)."""
     f32 = jnp.float32
     j = pl.program_id(0)
 
@@ -169,14 +217,12 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
     gs = [norm_ref[c] for c in cols]
     hs = [[h_ref[n, c] for c in cols] for n in range(rows)]
 
-    def over_splits(ref, n, s, idx=()):  # the stream's partials, summed over its splits
-        return sum(ref[(n, s * splits + k) + idx] for k in range(splits))
-
-    rstd = [[jax.lax.rsqrt(over_splits(ss_ref, n, s) / hidden + eps) for s in range(streams)]
-            for n in range(rows)]
-    # a = silu(down xn / S) from the per-stream partials, one piece of the rank at a time
-    a = [[jax.nn.silu(sum(rstd[n][s] * over_splits(p_ref, n, s, (pl.ds(r0, size),))
-                          for s in range(streams)) / streams) for r0, size in pieces] for n in range(rows)]
+    if gated:
+        rstd = [[ss_ref[n, s] for s in range(streams)] for n in range(rows)]
+        a = [[p_ref[n, pl.ds(r0, size)] for r0, size in pieces] for n in range(rows)]
+    else:
+        rstd, a = zip(*(_rstd_a(p_ref, ss_ref, n, streams=streams, hidden=hidden, pieces=pieces, splits=splits,
+                                eps=eps) for n in range(rows)))
     out = [jnp.zeros((block_h,), f32) for _ in range(rows)]
     for s in range(streams):
         acc = [{} for _ in range(rows)]  # per row, an accumulator per piece size
@@ -192,25 +238,26 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
     for n in range(rows):
         x_ref[n, pl.ds(j * block_h, block_h)] = (out[n] / streams).astype(x_ref.dtype)
 
-    if inj_ref is not None:
+    if inj_ref is not None and not gated:
         @pl.when(j == 0)
         def _():
             for n in range(rows):
-                t = sum(rstd[n][s] * over_splits(pi_ref, n, s, (slice(None),)) for s in range(streams))
-                inj_ref[n, :] = 2.0 * jax.nn.sigmoid(t / streams)
+                inj_ref[n, :] = _injection(pi_ref, rstd[n], n, streams=streams, splits=splits)
 
 
 def mix(h: Array, norm: Array, down: Array, up: Array, inject: Array | None, streams: int, eps: float, *,
         pending: tuple[Array, Array] | None = None, x_dtype=jnp.float32, interpret: bool | None = None,
         block_r: int = BLOCK_R, block_h: int = BLOCK_H, warps: int = WARPS, splits: int | None = None,
-        up_warps: int = UP_WARPS, r_piece: int = R_PIECE):
+        up_warps: int | None = None, r_piece: int = R_PIECE):
     """hyper_connection.mix for h [N, W] float32 (N <= MAX_ROWS; see `takes`) -> (x [N, W / streams] in x_dtype
     (computed in float32, rounded once as it is written: the block's input dtype saves XLA a conversion kernel),
     inj [N, streams] float32 or None without injection weights, h). pending: (inj0 [N, S], y [N, H]) or
     (inj0, routed, shared, gate) (y by its parts, see the module docstring), a combine to apply to h first
     (hyper_connection.combine); the returned h is then the combined one, else h itself. splits: default
-    row_splits. interpret: run in Pallas interpret mode (default: on anything but a GPU)."""
+    row_splits; up_warps: default up_warps_for. interpret: run in Pallas interpret mode (default: on anything
+    but a GPU)."""
     splits = row_splits(h.shape[0], h.shape[1] // streams, block_r, warps) if splits is None else splits
+    up_warps = up_warps_for(h.shape[0]) if up_warps is None else up_warps
     return _mix(h, pending, norm, down, up, inject, streams=streams, eps=eps, x_dtype=jnp.dtype(x_dtype),
                 interpret=not on_gpu() if interpret is None else interpret, block_r=block_r, block_h=block_h,
                 warps=warps, splits=splits, up_warps=up_warps, r_piece=r_piece)
@@ -235,8 +282,10 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
         raise ValueError(f"hc_mix: pending is (inj0, y) or (inj0, routed, shared, gate), got {len(pending)} arrays")
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
                           chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
-    up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h,
-                        pieces=_pieces(rank, r_piece), splits=splits, eps=eps)
+    gated = rows >= GATES_FROM_ROWS
+    pieces = _pieces(rank, r_piece)
+    up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h, pieces=pieces,
+                        splits=splits, eps=eps, gated=gated)
 
     # Pallas passes refs positionally: inputs, then outputs. Absent ones (no pending combine, no injection
     # weights: the final mixer) are None in the kernels.
@@ -252,8 +301,9 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     def up_call(*refs):
         it = iter(refs)
         take = lambda present: next(it) if present else None  # noqa: E731
-        h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(has_inject)
-        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(has_inject))
+        partials = has_inject and not gated  # the injection's partials come in, and inj goes out, here
+        h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(partials)
+        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(partials))
 
     parts = streams * splits
     # partials of down (per split), sums of squares, partials of inject (split, output stream), combined h
@@ -265,9 +315,29 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
         h, *(pending if fused else ()), norm, down, *([inject] if has_inject else []))
     h = got[-1] if fused else h
     parts_out = got[:3] if has_inject else (*got[:2], None)
+    inj = None
+    if gated:  # a, rstd and inj once per row; the up programs read a and rstd in place of the partials
+        def gates_call(p_ref, ss_ref, *refs):
+            pi_ref, (a_ref, rstd_ref, inj_ref) = (refs[0], refs[1:]) if has_inject else (None, (*refs, None))
+            _gates_kernel(p_ref, ss_ref, pi_ref, a_ref, rstd_ref, inj_ref, streams=streams, hidden=hidden,
+                          pieces=pieces, splits=splits, eps=eps)
+
+        outs = [jax.ShapeDtypeStruct((rows, rank), f32), jax.ShapeDtypeStruct((rows, streams), f32)]
+        outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
+        whole = lambda shape: pl.BlockSpec(shape, lambda n: (0,) * len(shape))  # noqa: E731
+        gates = pl.pallas_call(
+            gates_call, out_shape=tuple(outs), grid=(rows,),
+            in_specs=[whole(p.shape) for p in parts_out if p is not None],
+            out_specs=tuple(whole(o.shape) for o in outs),
+            compiler_params=compiler_params(interpret, warps), interpret=interpret, name="hc_mix_gates",
+        )(*(p for p in parts_out if p is not None))
+        inj = gates[2] if has_inject else None
+        parts_out = (gates[0], gates[1], None)
     outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
-    outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject else []
+    outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject and not gated else []
     res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,),
                          compiler_params=compiler_params(interpret, up_warps), interpret=interpret, name="hc_mix_up")(
         h, norm, up, *(p for p in parts_out if p is not None))
-    return res[0], (res[1] if has_inject else None), h
+    if has_inject and not gated:
+        inj = res[1]
+    return res[0], inj, h
