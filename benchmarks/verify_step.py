@@ -149,14 +149,16 @@ def own_plain_steps(runner, rows: int, span: int, args) -> dict:
     as the scheduler runs it, and is timed alone too."""
     import jax
 
-    from jaxflash.engine.speculative import LAG_ROWS
+    from jaxflash.engine.speculative import catch_up_due
 
-    lagging = runner.setup.head_lags
+    lagging, lag = runner.setup.head_lags, 0
     stamps, in_flight = [], collections.deque()
-    for i in range(args.warm + args.steps):
-        if lagging and i and i % LAG_ROWS == 0:  # the head over the pairs the last LAG_ROWS steps kept
+    for _ in range(args.warm + args.steps):
+        if lagging and catch_up_due(lag, verifying=False):  # the head over the pairs the last steps kept
             runner.catch_up(rows=rows, span=span)
+            lag = 0
         in_flight.append(runner.decode(rows=rows, span=span))
+        lag += lagging
         if len(in_flight) > 1:
             in_flight.popleft().result()
         stamps.append(time.perf_counter())

@@ -43,7 +43,7 @@ import numpy as np
 
 from .runner import LAG_PROGRAMS, Pending, Runner, StepOutput, Want
 from .sampling import SamplingParams
-from .speculative import LAG_ROWS
+from .speculative import catch_up_due
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +508,7 @@ class Scheduler:
         span = next(s for s in self.spans if s >= need)
         # the MTP head over the pairs plain steps kept: when they fill, or before a verify step (which needs its
         # KV whole, and drafts from the last pair: resume)
-        catch_up = self.lagging and self.lag >= (1 if fed > 1 else LAG_ROWS)
+        catch_up = self.lagging and catch_up_due(self.lag, fed > 1)
         try:
             if catch_up:
                 self.runner.catch_up(rows=rows, span=span, draft=fed > 1)

@@ -37,6 +37,13 @@ NGRAM_MAX = 3  # the longest suffix looked up
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a verify row)
 
 
+def catch_up_due(lag: int, verifying: bool) -> bool:
+    """Whether a head that lags `lag` plain steps catches up before the next step: before a verify step as soon
+    as it lags at all (the step needs the head's KV whole and drafts from the last pair), else once its pairs
+    fill (LAG_ROWS). The Scheduler's rule, shared with the benchmarks that time plain steps as it runs them."""
+    return lag >= (1 if verifying else LAG_ROWS)
+
+
 @pytree_dataclass
 class SpecState:
     """Per-slot drafting state (leading axis = batch slot)."""
