@@ -223,18 +223,26 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="1", help="comma-separated token rows of the step")
     ap.add_argument("--kernels", default="experts",
                     help="comma-separated: experts (nvfp4_experts), hc (the hyper-connection mix, hc_mix, at --tokens "
-                         "rows with its default tiles)")
+                         "rows)")
+    ap.add_argument("--hc-tiles", default="default",
+                    help="the mix's tiles with --kernels hc: 'default' or hc_kernel.py's variants, "
+                         "block_r:block_h:warps[:splits[:up_warps[:r_piece]]],... (fields left out: the defaults)")
     ap.add_argument("--out", default=None, help="folder for kernel_sass.json")
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="jaxflash_sass_")
     kinds = args.kernels.split(",")
     if "hc" in kinds:
-        mixes = [r for n in (int(v) for v in args.tokens.split(",")) for r in hc_kernels(n, work)]
-        print(f"{'kernel':14} {'rows':>4} {'warps':>5} {'regs':>4} {'smem':>6} {'sass':>6} {'spills':>6} "
-              f"{'LDG':>5} {'BAR':>4}")
+        fields = ("block_r", "block_h", "warps", "splits", "up_warps", "r_piece")
+        variants = [{}] if args.hc_tiles == "default" else \
+            [dict(zip(fields, (int(x) for x in v.split(":")))) for v in args.hc_tiles.split(",")]
+        mixes = [{**r, "tiles": tiles} for tiles in variants for n in (int(v) for v in args.tokens.split(","))
+                 for r in hc_kernels(n, work, **tiles)]
+        print(f"{'kernel':14} {'rows':>4} {'tiles':>12} {'warps':>5} {'regs':>4} {'smem':>6} {'sass':>6} "
+              f"{'spills':>6} {'LDG':>5} {'BAR':>4}")
         for r in mixes:
-            print(f"{r['kernel']:14} {r['rows']:4d} {r['warps']:5d} {r['registers']:4d} {r['shared']:6d} "
+            tiles = ":".join(str(v) for v in r["tiles"].values()) or "default"
+            print(f"{r['kernel']:14} {r['rows']:4d} {tiles:>12} {r['warps']:5d} {r['registers']:4d} {r['shared']:6d} "
                   f"{r['instructions']:6d} {r['spills']:6d} {r['global_loads']:5d} {r['barriers']:4d}")
         write_json(args.out, "kernel_sass_hc.json", {"triton_target": "cuda sm_90", "rows": mixes})
     if "experts" not in kinds:
