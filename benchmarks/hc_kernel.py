@@ -29,6 +29,20 @@ from kernel_timing import COPY_CEILING, log, rel_err, trace_kernels_by_name, wal
 from results_file import write_json  # noqa: E402
 
 
+VARIANT_FIELDS = ("block_r", "block_h", "warps", "splits", "up_warps", "r_piece")  # hc_mix.mix's tile arguments
+
+
+def parse_variant(v: str) -> tuple:
+    """A variant block_r:block_h:warps[:splits[:up_warps[:r_piece]]] as the tuple of VARIANT_FIELDS; the fields
+    left out are the engine's (None: hc_mix.mix's default for the rows)."""
+    from jaxflash.kernels import hc_mix
+
+    given = tuple(int(n) for n in v.split(":"))
+    if not 3 <= len(given) <= len(VARIANT_FIELDS):
+        raise ValueError(f"{v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece]]]")
+    return given + (None, None, None, None, None, hc_mix.R_PIECE)[len(given):]
+
+
 def random_mixes(preset, count, note=""):
     """The preset's config, count hyper-connection mixes of its shapes, each with its own random bf16 weights
     (separate buffers, as the engine holds them), a key for the residual rows and a mix's weight bytes; logs
@@ -82,13 +96,10 @@ def main(argv=None) -> int:
     cfg, mixes, h_key, weight_bytes = random_mixes(args.preset, args.mixes)
     s, r, eps = cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps
     w = cfg.hidden_size * s
-    variants = []
-    for v in args.variants.split(","):
-        given = tuple(int(n) for n in v.split(":"))
-        if not 3 <= len(given) <= 6:
-            ap.error(f"--variants: {v!r} is not block_r:block_h:warps[:splits[:up_warps[:r_piece]]]")
-        defaults = (None, None, None, None, None, hc_mix.R_PIECE)  # the fields left out: the engine's
-        variants.append(given + defaults[len(given):])
+    try:
+        variants = [parse_variant(v) for v in args.variants.split(",")]
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
 
     def program(variant, fused=False):
         """The chain of mixes and combines; fused: each combine runs inside the next mix's kernels

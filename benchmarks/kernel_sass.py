@@ -87,12 +87,22 @@ def compile_sm90(ttir_path: str, warps: int, stages: int) -> dict:
             "sass": sass}
 
 
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each instruction of a cuobjdump listing."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode, its predicate and modifiers dropped: "@P0 LDG.E.64 R6, ..." -> "LDG"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
 def loop_profile(sass: str) -> dict:
     """Instructions in all, and the body of the loop (from a backward branch's target to the branch) with its
     opcodes; several loops (a walk per token branch, collective loops): of those that hold no other loop, the
     one with the most global loads."""
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+    ins = instructions(sass)
     loops = [(int(m.group(1), 16), a) for a, t in ins
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
     out = {"instructions": len(ins), "loop": 0, "opcodes": {}}
@@ -101,15 +111,14 @@ def loop_profile(sass: str) -> dict:
         loads = lambda se: sum(a >= se[0] and a <= se[1] and "LDG" in t for a, t in ins)
         start, end = max(inner, key=lambda se: (loads(se), se[1] - se[0]))  # the walk: the weights' loads
         body = [t for a, t in ins if start <= a <= end]
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        ops = collections.Counter(opcode(t) for t in body)
         out.update(loop=len(body), opcodes=dict(ops.most_common()))
     return out
 
 
 def opcodes(sass: str) -> collections.Counter:
-    """Every instruction of a listing by opcode (predicates and modifiers dropped)."""
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()).split()[0].split(".")[0]
-                               for m in re.finditer(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", sass, re.M))
+    """Every instruction of a listing by opcode."""
+    return collections.Counter(opcode(t) for _, t in instructions(sass))
 
 
 def spills(ops: collections.Counter) -> int:
@@ -233,15 +242,16 @@ def main(argv=None) -> None:
     work = tempfile.mkdtemp(prefix="jaxflash_sass_")
     kinds = args.kernels.split(",")
     if "hc" in kinds:
-        fields = ("block_r", "block_h", "warps", "splits", "up_warps", "r_piece")
+        from hc_kernel import VARIANT_FIELDS, parse_variant
+
         variants = [{}] if args.hc_tiles == "default" else \
-            [dict(zip(fields, (int(x) for x in v.split(":")))) for v in args.hc_tiles.split(",")]
+            [dict(zip(VARIANT_FIELDS, parse_variant(v))) for v in args.hc_tiles.split(",")]
         mixes = [{**r, "tiles": tiles} for tiles in variants for n in (int(v) for v in args.tokens.split(","))
                  for r in hc_kernels(n, work, **tiles)]
         print(f"{'kernel':14} {'rows':>4} {'tiles':>12} {'warps':>5} {'regs':>4} {'smem':>6} {'sass':>6} "
               f"{'spills':>6} {'LDG':>5} {'BAR':>4}")
         for r in mixes:
-            tiles = ":".join(str(v) for v in r["tiles"].values()) or "default"
+            tiles = ":".join(str(v) if v is not None else "-" for v in r["tiles"].values()) or "default"
             print(f"{r['kernel']:14} {r['rows']:4d} {tiles:>12} {r['warps']:5d} {r['registers']:4d} {r['shared']:6d} "
                   f"{r['instructions']:6d} {r['spills']:6d} {r['global_loads']:5d} {r['barriers']:4d}")
         write_json(args.out, "kernel_sass_hc.json", {"triton_target": "cuda sm_90", "rows": mixes})

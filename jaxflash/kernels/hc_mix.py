@@ -238,7 +238,7 @@ def _up_kernel(h_ref, norm_ref, up_ref, p_ref, ss_ref, pi_ref, x_ref, inj_ref, *
     for n in range(rows):
         x_ref[n, pl.ds(j * block_h, block_h)] = (out[n] / streams).astype(x_ref.dtype)
 
-    if inj_ref is not None and not gated:
+    if inj_ref is not None:  # (None when gated: hc_mix_gates wrote inj)
         @pl.when(j == 0)
         def _():
             for n in range(rows):
@@ -283,6 +283,7 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     down_kernel = partial(_down_kernel, rows=rows, hidden=hidden, block_r=block_r,
                           chunk=_chunk(hidden, rows, block_r, warps), splits=splits)
     gated = rows >= GATES_FROM_ROWS
+    up_injects = has_inject and not gated  # the up kernel takes the injection's partials and writes inj
     pieces = _pieces(rank, r_piece)
     up_kernel = partial(_up_kernel, rows=rows, streams=streams, hidden=hidden, block_h=block_h, pieces=pieces,
                         splits=splits, eps=eps, gated=gated)
@@ -301,9 +302,8 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
     def up_call(*refs):
         it = iter(refs)
         take = lambda present: next(it) if present else None  # noqa: E731
-        partials = has_inject and not gated  # the injection's partials come in, and inj goes out, here
-        h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(partials)
-        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(partials))
+        h_ref, norm_ref, up_ref, p, ss, pi = next(it), next(it), next(it), next(it), next(it), take(up_injects)
+        up_kernel(h_ref, norm_ref, up_ref, p, ss, pi, next(it), take(up_injects))
 
     parts = streams * splits
     # partials of down (per split), sums of squares, partials of inject (split, output stream), combined h
@@ -334,10 +334,8 @@ def _mix(h, pending, norm, down, up, inject, *, streams: int, eps: float, x_dtyp
         inj = gates[2] if has_inject else None
         parts_out = (gates[0], gates[1], None)
     outs = [jax.ShapeDtypeStruct((rows, hidden), x_dtype)]
-    outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if has_inject and not gated else []
+    outs += [jax.ShapeDtypeStruct((rows, streams), f32)] if up_injects else []
     res = pl.pallas_call(up_call, out_shape=tuple(outs), grid=(hidden // block_h,),
                          compiler_params=compiler_params(interpret, up_warps), interpret=interpret, name="hc_mix_up")(
         h, norm, up, *(p for p in parts_out if p is not None))
-    if has_inject and not gated:
-        inj = res[1]
-    return res[0], inj, h
+    return res[0], (res[1] if up_injects else inj), h
